@@ -1,0 +1,372 @@
+"""Ouro LoopLM: a looped decoder that applies its N-layer stack T times (MELT.md section 1).
+
+Loads Ouro checkpoints (config.json with model_type "ouro", Ouro's safetensors key names)
+without remote code. Each layer is a sandwich-norm Llama block:
+
+    a = input_layernorm(x)
+    o = o_proj(Attn(RoPE(q_proj(a)), RoPE(k_proj(a)), v_proj(a)))
+    x = x + input_layernorm_2(o)
+    x = x + post_attention_layernorm_2(mlp(post_attention_layernorm(x)))
+
+and after every loop `norm` is applied; its output is the next loop's input and
+`lm_head(norm(h_t))` is loop t's prediction. At loop t a token attends to the loop-t
+keys/values of all tokens, so the cache holds T x N entries per token.
+
+The looped computation itself (`LoopLMModel.run_chunk`) is shared with MELT
+(`melt.py`), which changes only where keys/values come from and which of them are
+kept (`kv_cache.py`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import PreTrainedConfig, PreTrainedModel
+from transformers.modeling_outputs import ModelOutput
+
+from melt_eval.modeling.kv_cache import ConcatStore, InterpolatedKV, PerLoopKV, SharedKV
+
+Tensor = torch.Tensor
+
+KV_SHARING = (None, "first", "last")
+
+
+class LoopLMConfig(PreTrainedConfig):
+    model_type = "ouro"
+
+    vocab_size: int = 49152
+    hidden_size: int = 2048
+    intermediate_size: int = 5632
+    num_hidden_layers: int = 24
+    num_attention_heads: int = 16
+    num_key_value_heads: int | None = None
+    head_dim: int | None = None
+    hidden_act: str = "silu"
+    max_position_embeddings: int = 65536
+    initializer_range: float = 0.02
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1_000_000.0
+    rope_scaling: dict | None = None
+    tie_word_embeddings: bool = False
+    total_ut_steps: int = 4  # T, the number of loops
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
+    pad_token_id: int | None = None
+
+    def __post_init__(self, **kwargs):
+        if self.head_dim is None:
+            self.head_dim = self.hidden_size // self.num_attention_heads
+        if self.num_key_value_heads is None:
+            self.num_key_value_heads = self.num_attention_heads
+        if self.rope_scaling not in (None, {}) and self.rope_scaling.get("rope_type", self.rope_scaling.get("type")) != "default":
+            raise ValueError(f"rope_scaling {self.rope_scaling} is not supported (only default RoPE)")
+        if self.hidden_act != "silu":
+            raise ValueError(f"hidden_act {self.hidden_act!r} is not supported (Ouro uses silu)")
+        super().__post_init__(**kwargs)
+
+
+@dataclass
+class LoopLMOutput(ModelOutput):
+    loss: Tensor | None = None
+    logits: Tensor | None = None  # [B, L, V], last loop
+    loop_logits: list[Tensor] | None = None  # T x [B, L, V]
+    attn_outputs: list[list[Tensor]] | None = None  # [layer][loop] -> o, [B, L, d]
+    hidden_states: list[Tensor] | None = None  # T x [B, L, d], norm(h_t)
+    gate_means: Tensor | None = None  # [N, T] mean z per layer and loop (MELT; loop 1 is NaN)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    """RoPE with HF Llama's rotate-half convention."""
+
+    def __init__(self, config: LoopLMConfig) -> None:
+        super().__init__()
+        dim = config.head_dim
+        inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def forward(self, position_ids: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        freqs = position_ids[..., None].float() * self.inv_freq.float()  # [B, c, dim/2]
+        emb = torch.cat([freqs, freqs], dim=-1)
+        return emb.cos().to(dtype)[:, None], emb.sin().to(dtype)[:, None]  # [B, 1, c, dim]
+
+
+def rotate_half(x: Tensor) -> Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([-x2, x1], dim=-1)
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    return x * cos + rotate_half(x) * sin
+
+
+class LoopLMAttention(nn.Module):
+    def __init__(self, config: LoopLMConfig) -> None:
+        super().__init__()
+        d, hd = config.hidden_size, config.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = config.num_attention_heads, config.num_key_value_heads, hd
+        self.q_proj = nn.Linear(d, self.num_heads * hd, bias=False)
+        self.k_proj = nn.Linear(d, self.num_kv_heads * hd, bias=False)
+        self.v_proj = nn.Linear(d, self.num_kv_heads * hd, bias=False)
+        self.o_proj = nn.Linear(self.num_heads * hd, d, bias=False)
+
+    def _heads(self, x: Tensor, n: int) -> Tensor:
+        b, c, _ = x.shape
+        return x.view(b, c, n, self.head_dim).transpose(1, 2)  # [B, n, c, hd]
+
+    def query(self, a: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        return apply_rope(self._heads(self.q_proj(a), self.num_heads), cos, sin)
+
+    def key_value(self, h: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+        k = apply_rope(self._heads(self.k_proj(h), self.num_kv_heads), cos, sin)
+        return k, self._heads(self.v_proj(h), self.num_kv_heads)
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
+        """q [B, H, c, hd] over k, v [B, KVH, S, hd]; mask [B, 1, c, S] (True = may attend)."""
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.num_kv_heads != self.num_heads)
+        b, _, c, _ = out.shape
+        return self.o_proj(out.transpose(1, 2).reshape(b, c, -1))
+
+
+class LoopLMMLP(nn.Module):
+    def __init__(self, config: LoopLMConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class LoopLMDecoderLayer(nn.Module):
+    def __init__(self, config: LoopLMConfig) -> None:
+        super().__init__()
+        d, eps = config.hidden_size, config.rms_norm_eps
+        self.self_attn = LoopLMAttention(config)
+        self.mlp = LoopLMMLP(config)
+        self.input_layernorm = RMSNorm(d, eps)
+        self.input_layernorm_2 = RMSNorm(d, eps)
+        self.post_attention_layernorm = RMSNorm(d, eps)
+        self.post_attention_layernorm_2 = RMSNorm(d, eps)
+
+    def update_state(self, h_prev: Tensor, a: Tensor, loop: int, kv_sharing: str) -> tuple[Tensor, Tensor | None]:
+        """Untrained KV sharing on a LoopLM: the `last` (h_t = a_t) and `first` (h_t = a_1) gates."""
+        return (a if kv_sharing == "last" else h_prev), None
+
+
+class LoopLMModel(nn.Module):
+    def __init__(self, config: LoopLMConfig, layer_cls=LoopLMDecoderLayer) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(layer_cls(config) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        # Ouro's learned early-exit gate: loaded and reported, never used to stop (MELT.md section 1).
+        self.early_exit_gate = nn.Linear(config.hidden_size, 1)
+        self.rotary_emb = RotaryEmbedding(config)
+
+    def run_chunk(
+        self,
+        input_ids: Tensor,
+        position_ids: Tensor,
+        policy,
+        *,
+        key_mask: Tensor | None = None,
+        kv_sharing: str | None = None,
+        collect: bool = False,
+    ) -> tuple[Tensor, dict]:
+        """Run all T loops over one chunk of c tokens, attending through `policy`.
+
+        input_ids, position_ids: [B, c]. key_mask: [B, >= past + c], True where a key slot
+        holds a real token (None = no padding). Returns the last loop's normed hidden state
+        [B, c, d] and, with collect=True, per-loop hidden states, attention outputs and gates.
+        """
+        cfg = self.config
+        x = self.embed_tokens(input_ids)
+        cos, sin = self.rotary_emb(position_ids, x.dtype)
+        mask = self._mask(input_ids.shape[1], policy.past_length, key_mask, x.device)
+        T, N = cfg.total_ut_steps, len(self.layers)
+        states: list[Tensor | None] = [None] * N  # per-layer latent state h (shared-KV variants)
+        loop_hidden, attn_outputs, gates = [], [[] for _ in range(N)], [[] for _ in range(N)]
+        for t in range(T):
+            for i, layer in enumerate(self.layers):
+                a = layer.input_layernorm(x)
+                q = layer.self_attn.query(a, cos, sin)
+                base = layer.self_attn.key_value(a, cos, sin) if policy.needs_base else None
+                melt = None
+                if policy.needs_melt:
+                    # h_1 = a_1; h_t = z_t * h_{t-1} + (1 - z_t) * a_t
+                    z = None
+                    if t == 0:
+                        states[i] = a
+                    else:
+                        states[i], z = layer.update_state(states[i], a, t + 1, kv_sharing)
+                    melt = layer.self_attn.key_value(states[i], cos, sin)
+                    if collect:
+                        gates[i].append(z)
+                k, v = policy.kv(i, t, base, melt)
+                o = layer.self_attn.attend(q, k, v, mask)
+                x = x + layer.input_layernorm_2(o)
+                x = x + layer.post_attention_layernorm_2(layer.mlp(layer.post_attention_layernorm(x)))
+                if collect:
+                    attn_outputs[i].append(o)
+            x = self.norm(x)  # the next loop's input, and this loop's prediction state
+            if collect:
+                loop_hidden.append(x)
+        policy.advance(input_ids.shape[1])
+        return x, {"loop_hidden": loop_hidden, "attn_outputs": attn_outputs, "gates": gates}
+
+    @staticmethod
+    def _mask(c: int, past: int, key_mask: Tensor | None, device) -> Tensor | None:
+        """[B|1, 1, c, past + c]: earlier tokens, and the chunk causally (itself included)."""
+        if key_mask is None and c == 1:
+            return None
+        s = past + c
+        q_pos = torch.arange(c, device=device)[:, None] + past
+        allowed = torch.arange(s, device=device)[None, :] <= q_pos  # [c, s]
+        if key_mask is None:
+            return allowed[None, None]
+        allowed = allowed[None] & key_mask[:, None, :s].bool()
+        # every query may attend to itself, so a padded query row never sees an empty key set
+        own = torch.zeros(c, s, dtype=torch.bool, device=device)
+        own[torch.arange(c), past + torch.arange(c)] = True
+        return (allowed | own)[:, None]
+
+
+class LoopLMPreTrainedModel(PreTrainedModel):
+    config_class = LoopLMConfig
+    base_model_prefix = "model"
+    _no_split_modules = ["LoopLMDecoderLayer"]
+    _supports_sdpa = True
+
+    def _init_weights(self, module: nn.Module) -> None:
+        std = self.config.initializer_range
+        if isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight, mean=0.0, std=std)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, mean=0.0, std=std)
+        elif isinstance(module, RMSNorm):
+            nn.init.ones_(module.weight)
+        elif isinstance(module, RotaryEmbedding):
+            dim = self.config.head_dim
+            module.inv_freq.copy_(1.0 / (self.config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)))
+
+
+class LoopLMForCausalLM(LoopLMPreTrainedModel):
+    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+    layer_cls = LoopLMDecoderLayer
+
+    def __init__(self, config: LoopLMConfig) -> None:
+        super().__init__(config)
+        self.model = LoopLMModel(config, self.layer_cls)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.post_init()
+
+    def get_input_embeddings(self) -> nn.Module:
+        return self.model.embed_tokens
+
+    def get_output_embeddings(self) -> nn.Module:
+        return self.lm_head
+
+    def make_policy(self, store, *, alpha: float = 1.0, kv_sharing: str | None = None):
+        """The attention rule of this model: Ouro's per-loop cache, or shared KV (baselines)."""
+        if kv_sharing not in KV_SHARING:
+            raise ValueError(f"kv_sharing must be one of {KV_SHARING}, got {kv_sharing!r}")
+        return SharedKV(store) if kv_sharing else PerLoopKV(store)
+
+    def forward(
+        self,
+        input_ids: Tensor,
+        attention_mask: Tensor | None = None,
+        chunk_size: int | None = None,
+        alpha: float = 1.0,
+        output_loop_states: bool = False,
+        kv_sharing: str | None = None,
+        labels: Tensor | None = None,
+        **kwargs,
+    ) -> LoopLMOutput:
+        """Teacher-forced forward over [B, L] tokens, chunk by chunk (MELT.md "Chunks").
+
+        chunk_size None means the model's exact rule: one chunk for Ouro (its per-loop cache
+        makes chunking irrelevant), one token per chunk where keys/values are shared across
+        loops (MELT, kv_sharing). Padding: chunks are counted from column 0, so pad on the right.
+        """
+        policy = self.make_policy(ConcatStore(), alpha=alpha, kv_sharing=kv_sharing)
+        L = input_ids.shape[1]
+        if chunk_size is None:
+            chunk_size = 1 if policy.needs_melt else L
+        if chunk_size < 1:
+            raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+        if attention_mask is not None:
+            position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+            key_mask = attention_mask.bool()
+        else:
+            position_ids = torch.arange(L, device=input_ids.device).expand(input_ids.shape[0], L)
+            key_mask = None
+        T, N = self.config.total_ut_steps, self.config.num_hidden_layers
+        hidden, loop_hidden = [], [[] for _ in range(T)]
+        attn_outputs = [[[] for _ in range(T)] for _ in range(N)]
+        gates = [[[] for _ in range(T)] for _ in range(N)]
+        for start in range(0, L, chunk_size):
+            end = min(start + chunk_size, L)
+            x, extra = self.model.run_chunk(
+                input_ids[:, start:end], position_ids[:, start:end], policy,
+                key_mask=key_mask, kv_sharing=kv_sharing, collect=output_loop_states,
+            )
+            hidden.append(x)
+            if output_loop_states:
+                for t in range(T):
+                    loop_hidden[t].append(extra["loop_hidden"][t])
+                    for i in range(N):
+                        attn_outputs[i][t].append(extra["attn_outputs"][i][t])
+                for i in range(N):
+                    for t, z in enumerate(extra["gates"][i]):
+                        if z is not None:
+                            gates[i][t].append(z)
+        logits = self.lm_head(torch.cat(hidden, dim=1))
+        out = LoopLMOutput(logits=logits)
+        if output_loop_states:
+            out.hidden_states = [torch.cat(h, dim=1) for h in loop_hidden]
+            out.loop_logits = [self.lm_head(h) for h in out.hidden_states[:-1]] + [logits]
+            out.attn_outputs = [[torch.cat(o, dim=1) for o in per_loop] for per_loop in attn_outputs]
+            out.gate_means = self._gate_means(gates)
+        if labels is not None:
+            out.loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=-100)
+        return out
+
+    @staticmethod
+    def _gate_means(gates) -> Tensor | None:
+        if not any(z for per_layer in gates for z in per_layer):
+            return None
+        means = torch.full((len(gates), len(gates[0])), float("nan"))
+        for i, per_layer in enumerate(gates):
+            for t, zs in enumerate(per_layer):
+                if zs:
+                    means[i, t] = torch.stack([torch.as_tensor(z).detach().float().mean() for z in zs]).mean()
+        return means
+
+    @torch.no_grad()
+    def early_exit_probabilities(self, input_ids: Tensor) -> Tensor:
+        """Per-loop exit probability sigmoid(early_exit_gate(norm(h_t))), [T, B, L].
+
+        Reported only: the released configuration always runs all T loops."""
+        out = self(input_ids, output_loop_states=True)
+        return torch.stack([torch.sigmoid(self.model.early_exit_gate(h)).squeeze(-1) for h in out.hidden_states])

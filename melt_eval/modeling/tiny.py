@@ -1,0 +1,137 @@
+"""Tiny random models built locally and deterministically, so every command runs offline.
+
+`tiny-random-ouro` (a LoopLM), `tiny-random-melt` (the same weights + elementwise gates,
+seed 0) and `tiny-random-llama` (a plain transformers Llama, for the non-looped path)
+share one byte-level BPE tokenizer trained with the `tokenizers` library on a fixed
+synthetic corpus, with a ChatML chat template like Ouro's. head_dim is 64 because
+vLLM's CPU attention does not support 16.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+BUILD_VERSION = 1  # bump when a builder changes, so cached copies are rebuilt
+SEED = 0
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|pad|>"]
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+TINY_DIMS = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2, head_dim=64)
+
+
+def _corpus(n_lines: int = 4000) -> list[str]:
+    rng = random.Random(SEED)
+    words = (
+        "the answer is let so then we have find compute sum product value variable step each final "
+        "problem solve number integer total remainder please reason put your within boxed"
+    ).split()
+    lines = []
+    for _ in range(n_lines):
+        a, b = rng.randint(0, 999), rng.randint(0, 999)
+        op = rng.choice("+-*")
+        lines.append(f"{rng.choice(words)} {a} {op} {b} = {eval(f'{a}{op}{b}')} so \\boxed{{{a}}}.")
+        lines.append(" ".join(rng.choice(words) for _ in range(rng.randint(3, 12))))
+        lines.append(f"x = {a}; y = x + {b}; z = y * 2. What is z? \\boxed{{{2 * (a + b)}}}")
+    return lines
+
+
+def build_tokenizer(vocab_size: int = 512):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_corpus(), trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<|endoftext|>",
+        eos_token="<|im_end|>",
+        pad_token="<|pad|>",
+        unk_token=None,
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def _ids(tok) -> dict:
+    return dict(
+        bos_token_id=tok.convert_tokens_to_ids("<|endoftext|>"),
+        eos_token_id=tok.convert_tokens_to_ids("<|im_end|>"),
+        pad_token_id=tok.convert_tokens_to_ids("<|pad|>"),
+    )
+
+
+def make_tiny_looplm(tok, loops: int = 4, **dims):
+    from melt_eval.modeling import LoopLMConfig, LoopLMForCausalLM
+
+    config = LoopLMConfig(
+        vocab_size=len(tok), total_ut_steps=loops, max_position_embeddings=4096, rope_theta=10000.0,
+        **{**TINY_DIMS, **dims}, **_ids(tok),
+    )
+    config.architectures = ["LoopLMForCausalLM"]
+    torch.manual_seed(SEED)
+    return LoopLMForCausalLM(config)
+
+
+def _make_llama(tok):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=len(tok), num_key_value_heads=1, max_position_embeddings=4096, **TINY_DIMS, **_ids(tok)
+    )
+    torch.manual_seed(SEED)
+    return LlamaForCausalLM(config)
+
+
+def build_tiny_model(name: str, root: Path) -> Path:
+    """Build (once) and return the checkpoint directory of a tiny-random-* model."""
+    target = Path(root) / name
+    stamp = target / "melt_eval_build.json"
+    if stamp.is_file() and json.loads(stamp.read_text()).get("version") == BUILD_VERSION:
+        return target
+    from melt_eval.modeling import MeltForCausalLM
+
+    tok = build_tokenizer()
+    if name == "tiny-random-ouro":
+        model = make_tiny_looplm(tok)
+    elif name == "tiny-random-melt":
+        model = MeltForCausalLM.from_looplm(make_tiny_looplm(tok), gate="elementwise", seed=SEED)
+    elif name == "tiny-random-llama":
+        model = _make_llama(tok)
+    else:
+        raise ValueError(f"no tiny builder for {name!r}")
+    # Build next to the target and rename, so a concurrent or interrupted build never
+    # leaves a half-written checkpoint behind.
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=target.parent))
+    from melt_eval.modeling.loading import quiet_transformers
+
+    with quiet_transformers():
+        model.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    (tmp / "melt_eval_build.json").write_text(json.dumps({"version": BUILD_VERSION, "seed": SEED, "name": name}))
+    if target.exists():
+        shutil.rmtree(target, ignore_errors=True)
+    try:
+        os.replace(tmp, target)
+    except OSError:  # another process won the race
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
