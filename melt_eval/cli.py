@@ -23,6 +23,13 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 
+
+
+@app.callback()
+def _root() -> None:
+    """Train, ablate and evaluate MELT and its baselines."""
+
+
 # Modules that define `register(app)`. A module that is not written yet is skipped,
 # so the CLI works at every stage of the project.
 COMMAND_MODULES = [

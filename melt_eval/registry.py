@@ -21,12 +21,13 @@ class ModelSpec:
     name: str
     display: str  # the name the paper's tables use
     family: str  # "ouro" (LoopLM), "melt", or "hf" (any transformers causal LM)
-    source: str  # "hub:<repo id>", "local:<how it is produced>", or "built locally"
-    num_layers: int
-    hidden_size: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
+    source: str  # "hub:<repo id>", "trained: <how>", or "built locally"
+    # None where the architecture is not a plain attention stack the harness can describe
+    num_layers: int | None
+    hidden_size: int | None
+    num_heads: int | None
+    num_kv_heads: int | None
+    head_dim: int | None
     params: int
     loops: int = 1
     # KV entries per (layer, token): T for Ouro, 1 for MELT and non-looped models.
@@ -77,7 +78,7 @@ MODELS: dict[str, ModelSpec] = {
     m.name: m
     for m in [
         ModelSpec(
-            "melt-1.6b", "MELT-1.6B", "melt", "local:melt-eval train --recipe paper-phase1/2 from ouro-1.4b-thinking",
+            "melt-1.6b", "MELT-1.6B", "melt", "trained: melt-eval train (paper-phase1, paper-phase2)",
             24, 2048, 16, 16, 128, _OURO_1_4B + melt_gate_params(24, 2048), loops=4, kv_entries_per_layer=1,
             notes="not released; set MELT_EVAL_MELT_1_6B=<checkpoint dir> or pass the path",
         ),
@@ -95,13 +96,13 @@ MODELS: dict[str, ModelSpec] = {
         ),
         ModelSpec(
             "gemma4-e2b", "Gemma4-E2B", "hf", "hub:google/gemma-4-E2B",
-            35, 1536, 8, 1, 256, 2_333_000_000, paper_vllm_kv_bytes_per_token=35_840,
+            None, None, None, None, None, 2_333_000_000, paper_vllm_kv_bytes_per_token=35_840,
             notes="sliding-window and KV-shared layers: per-token KV is the paper's vLLM reading; "
             "params = paper model bytes / 2",
         ),
         ModelSpec(
             "qwen3.5-2b", "Qwen3.5-2B", "hf", "hub:Qwen/Qwen3.5-2B",
-            24, 2048, 8, 2, 256, 1_882_000_000, paper_vllm_kv_bytes_per_token=49_152,
+            None, None, None, None, None, 1_882_000_000, paper_vllm_kv_bytes_per_token=49_152,
             notes="hybrid linear/full attention: per-token KV is the paper's vLLM reading; "
             "params = paper model bytes / 2",
         ),

@@ -44,18 +44,19 @@ def load_looped(model_dir: Path, dtype=torch.float32, device="cpu"):
         raise UserError(f"{model_dir} has no *.safetensors weights; pass a complete checkpoint directory")
     try:
         with quiet_transformers():
-            model, info = cls.from_pretrained(model_dir, dtype=dtype, output_loading_info=True)
-    except (RuntimeError, ValueError) as exc:  # shape mismatches are raised by transformers
+            # mismatched shapes are collected (and reported below by name) instead of raised
+            model, info = cls.from_pretrained(model_dir, dtype=dtype, output_loading_info=True, ignore_mismatched_sizes=True)
+    except (OSError, RuntimeError, ValueError) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise UserError(f"cannot load {model_dir}: {first}") from None
     missing = [k for k in info.get("missing_keys", []) if not (k == "lm_head.weight" and model.config.tie_word_embeddings)]
-    mismatched = info.get("mismatched_keys", [])
+    mismatched = sorted(m[0] if isinstance(m, tuple) else m for m in info.get("mismatched_keys", []))
     if missing or mismatched:
         parts = []
         if missing:
             parts.append(f"missing tensors: {', '.join(sorted(missing)[:8])}{' ...' if len(missing) > 8 else ''}")
         if mismatched:
-            parts.append("shape mismatches: " + ", ".join(str(m[0] if isinstance(m, tuple) else m) for m in mismatched[:8]))
+            parts.append(f"shape mismatches: {', '.join(mismatched[:8])}{' ...' if len(mismatched) > 8 else ''}")
         raise UserError(f"checkpoint {model_dir} does not match its config ({'; '.join(parts)})")
     return model.to(device).eval()
 

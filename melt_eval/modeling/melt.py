@@ -112,4 +112,4 @@ class MeltForCausalLM(LoopLMForCausalLM):
         generator = torch.Generator().manual_seed(seed)
         for p in model.gate_parameters():
             p.data.copy_(torch.randn(p.shape, generator=generator) * 0.02)
-        return model
+        return model.train(looplm.training)
