@@ -1,0 +1,45 @@
+"""`melt-eval train`: run a training recipe (MELT phase 1/2, ablation rows, LoopLM pretraining)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("train")
+    def train_cmd(
+        recipe: Optional[str] = typer.Option(None, "--recipe", "-r", help="Recipe name in recipes/ (paper-phase1, paper-phase2, tiny-phase1, tiny-phase2, pretrain-tiny) or a YAML path. Default: paper-phase<--phase>."),
+        from_model: Optional[str] = typer.Option(None, "--from", help="Starting model: a LoopLM (phase 1), a phase-1 MELT checkpoint (phase 2), or the architecture to pretrain."),
+        output: Path = typer.Option(..., "--output", "-o", help="Run directory: final HF model, checkpoints, logs."),
+        gate: Optional[str] = typer.Option(None, help="MELT gate when converting: elementwise, scalar, ema, mean, last, first."),
+        chunk_size: Optional[int] = typer.Option(None, "--chunk-size", help="Chunk size C in tokens; 0 = whole sequence (no chunk-wise training)."),
+        interpolation_steps: Optional[int] = typer.Option(None, "--interpolation-steps", help="Steps over which alpha rises 0 -> 1; 0 = no interpolated transition."),
+        kd: Optional[bool] = typer.Option(None, "--kd/--no-kd", help="All-loop KD against the teacher, or plain SFT."),
+        align_beta: Optional[float] = typer.Option(None, "--align-beta", help="Attention-alignment weight; 0 = none (phase 2 default 0.1)."),
+        phase: Optional[int] = typer.Option(None, "--phase", help="1: interpolated transition + KD; 2: KD + alignment from a phase-1 checkpoint."),
+        teacher: Optional[str] = typer.Option(None, "--teacher", help="Frozen LoopLM teacher (default: the starting LoopLM, or the one phase 1 recorded)."),
+        max_steps: Optional[int] = typer.Option(None, "--max-steps", help="Optimiser steps."),
+        resume: bool = typer.Option(False, "--resume", help="Continue an interrupted run in --output at its last checkpoint."),
+        config: Optional[Path] = typer.Option(None, "--config", help="YAML file of recipe keys applied over the recipe."),
+        set_: list[str] = typer.Option([], "--set", help="Override one recipe key: --set key=value (repeatable)."),
+        progress: bool = typer.Option(True, "--progress/--no-progress", help="Show the progress bar."),
+    ) -> None:
+        """Train MELT from a LoopLM (or a LoopLM from scratch) with a YAML recipe; Accelerate-launchable."""
+        from melt_eval.training.config import load_recipe, parse_set
+        from melt_eval.training.runner import run_recipe
+
+        if recipe is None:
+            recipe = f"paper-phase{phase or 1}"
+        overrides = parse_set(set_)
+        switches = {"gate": gate, "chunk_size": chunk_size, "interpolation_steps": interpolation_steps, "kd": kd,
+                    "align_beta": align_beta, "phase": phase, "teacher": teacher, "max_steps": max_steps,
+                    "from_model": from_model}
+        overrides.update({k: v for k, v in switches.items() if v is not None})
+        if phase == 2 and interpolation_steps is None:
+            overrides["interpolation_steps"] = 0  # phase 2 runs at alpha = 1
+        resolved = load_recipe(recipe, config_file=config, overrides=overrides)
+        out = run_recipe(resolved, output=output, resume=resume, progress=progress)
+        typer.echo(f"trained model written to {out}")

@@ -1,0 +1,215 @@
+"""Training recipes: one flat dataclass, loaded from YAML, overridden by flags and `--set`.
+
+A recipe is a small YAML file in `recipes/` (or any path). Resolution order, last wins:
+recipe file -> `--config FILE` -> `--set key=value` -> the explicit CLI switches
+(`--gate`, `--chunk-size`, ...). Every key is a field of `Recipe`; unknown keys are
+rejected with the list of valid ones, so a typo never silently falls back to a default.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from melt_eval.errors import UserError
+
+RECIPES_DIR = Path(__file__).resolve().parents[2] / "recipes"
+TARGETS = ("melt", "looplm")  # what is trained: MELT (converted or continued) or a plain LoopLM
+MIXED_PRECISION = ("auto", "bf16", "fp16", "no")
+
+
+@dataclass
+class Recipe:
+    # --- what is trained -------------------------------------------------------------------
+    target: str = "melt"  # "melt": convert/continue a MELT model; "looplm": plain LM training of a LoopLM
+    phase: int = 1  # 1: interpolated transition + KD; 2: KD + attention alignment (continues phase 1)
+    from_model: str | None = None  # registry name or checkpoint dir (`--from`)
+    from_scratch: bool = False  # re-initialise the weights of `from_model` (LoopLM pretraining)
+    model_overrides: dict = field(default_factory=dict)  # config fields changed before a from-scratch init
+    gate: str = "elementwise"  # MELT gate when converting a LoopLM (elementwise|scalar|ema|mean|last|first)
+    ema_decay: float = 0.2
+    gate_seed: int = 0
+    teacher: str | None = None  # frozen LoopLM for KD/alignment; phase 1 default: the starting LoopLM
+    # --- objective (MELT.md "Losses") ------------------------------------------------------
+    chunk_size: int = 500  # C; 0 = the whole sequence (C = L, "no chunk-wise training")
+    interpolation_steps: int = 500  # alpha: 0 -> 1 linearly over these optimiser steps; 0 = alpha 1 throughout
+    kd: bool = True  # all-loop KD against the teacher; False = plain SFT (final-loop cross-entropy)
+    kd_beta: float = 0.0  # generalised JSD beta: 0 = forward KL(teacher || student), 1 = reverse KL
+    kd_temperature: float = 1.0
+    ce_weight: float = 0.0  # extra final-loop cross-entropy added to the KD loss (0 = the paper's objective)
+    align_beta: float = 0.0  # attention-alignment weight beta (phase 2: 0.1); 0 = no alignment
+    # --- data --------------------------------------------------------------------------------
+    data: list = field(default_factory=list)  # sources, see melt_eval.training.data.build_source
+    seq_len: int = 10_000
+    batch_tokens: int = 320_000  # tokens per optimiser step (sequence slots: seq_len x sequences)
+    micro_batch_size: int = 1  # sequences per forward pass per process
+    shuffle_buffer: int = 10_000  # streaming shuffle buffer for Hub sources
+    # --- optimisation ----------------------------------------------------------------------
+    max_steps: int = 500
+    lr: float = 8e-6
+    gate_lr: float = 5e-4
+    warmup_steps: int = 25
+    min_lr_ratio: float = 0.0  # cosine decays to lr * min_lr_ratio
+    weight_decay: float = 1e-4
+    adam_betas: list = field(default_factory=lambda: [0.9, 0.95])
+    adam_eps: float = 1e-8
+    grad_clip: float = 1.0
+    mixed_precision: str = "auto"  # auto: bf16 on GPU, fp32 on CPU
+    gradient_checkpointing: bool = False
+    seed: int = 0
+    # --- bookkeeping -----------------------------------------------------------------------
+    save_every: int = 100  # optimiser steps between resumable checkpoints (0 = only at the end)
+    keep_checkpoints: int = 2
+    log_every: int = 1
+    tensorboard: bool = True
+
+    # ------------------------------------------------------------------------------------
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [f.name for f in dataclasses.fields(cls)]
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def validate(self) -> "Recipe":
+        def bad(msg: str):
+            raise UserError(f"invalid recipe: {msg}")
+
+        if self.target not in TARGETS:
+            bad(f"target must be one of {TARGETS}, got {self.target!r}")
+        if self.phase not in (1, 2):
+            bad(f"phase must be 1 or 2, got {self.phase!r}")
+        from melt_eval.modeling import GATES
+
+        if self.gate not in GATES:
+            bad(f"gate must be one of {', '.join(GATES)}, got {self.gate!r}")
+        if self.mixed_precision not in MIXED_PRECISION:
+            bad(f"mixed_precision must be one of {MIXED_PRECISION}, got {self.mixed_precision!r}")
+        for name in ("chunk_size", "interpolation_steps", "warmup_steps", "save_every"):
+            if getattr(self, name) < 0:
+                bad(f"{name} must be >= 0, got {getattr(self, name)}")
+        for name in ("seq_len", "batch_tokens", "micro_batch_size", "max_steps", "log_every", "keep_checkpoints"):
+            if getattr(self, name) < 1:
+                bad(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not 0.0 <= self.kd_beta <= 1.0:
+            bad(f"kd_beta must be within [0, 1], got {self.kd_beta}")
+        for name in ("align_beta", "ce_weight", "lr", "gate_lr", "weight_decay", "grad_clip"):
+            v = getattr(self, name)
+            if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
+                bad(f"{name} must be a finite number >= 0, got {v!r}")
+        if self.kd_temperature <= 0:
+            bad(f"kd_temperature must be > 0, got {self.kd_temperature}")
+        if len(self.adam_betas) != 2:
+            bad(f"adam_betas must be two numbers, got {self.adam_betas!r}")
+        if not self.data:
+            bad("data must list at least one source (see recipes/README.md)")
+        if self.target == "looplm" and (self.kd or self.align_beta or self.interpolation_steps):
+            bad("target looplm trains a plain LoopLM: set kd: false, align_beta: 0, interpolation_steps: 0")
+        if self.phase == 2 and self.interpolation_steps:
+            bad("phase 2 continues at alpha = 1: set interpolation_steps: 0")
+        return self
+
+    def grad_accum_steps(self, world_size: int = 1) -> int:
+        """Micro-batches per optimiser step so that a step sees `batch_tokens` sequence slots."""
+        per_micro = self.seq_len * self.micro_batch_size * world_size
+        return max(1, round(self.batch_tokens / per_micro))
+
+    def alpha(self, step: int) -> float:
+        """Interpolation weight at optimiser step `step` (0-based): 0 -> 1 linearly, then 1."""
+        if self.target != "melt" or self.interpolation_steps == 0:
+            return 1.0
+        return min(1.0, step / self.interpolation_steps)
+
+    def needs_teacher(self) -> bool:
+        return self.target == "melt" and (self.kd or self.align_beta > 0)
+
+
+def _check_keys(raw: dict, origin: str) -> None:
+    valid = Recipe.field_names()
+    unknown = sorted(set(raw) - set(valid))
+    if unknown:
+        raise UserError(f"unknown recipe key(s) {', '.join(unknown)} in {origin}; valid keys: {', '.join(valid)}")
+
+
+def _read_yaml(path: Path) -> dict:
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise UserError(f"{path} is not valid YAML ({str(exc).splitlines()[0]})") from None
+    if not isinstance(raw, dict):
+        raise UserError(f"{path} must be a mapping of recipe keys to values")
+    _check_keys(raw, str(path))
+    return raw
+
+
+def available_recipes() -> list[str]:
+    return sorted(p.stem for p in RECIPES_DIR.glob("*.yaml"))
+
+
+def recipe_path(name: str) -> Path:
+    """A recipe name (file stem in recipes/) or a path to a YAML file."""
+    path = Path(name).expanduser()
+    if path.suffix in (".yaml", ".yml") and path.is_file():
+        return path
+    candidate = RECIPES_DIR / f"{name}.yaml"
+    if candidate.is_file():
+        return candidate
+    raise UserError(f"unknown recipe {name!r}; available recipes: {', '.join(available_recipes())} (or pass a YAML path)")
+
+
+def parse_set(items: list[str]) -> dict:
+    """`--set key=value` pairs; values are parsed as YAML (numbers, booleans, lists, null)."""
+    out = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise UserError(f"--set expects key=value, got {item!r}")
+        out[key.strip()] = yaml.safe_load(value) if value.strip() else None
+    _check_keys(out, "--set")
+    return out
+
+
+def _coerce(raw: dict) -> dict:
+    """Give YAML-loaded values the field's type where that is unambiguous (1e-4 is a str in YAML 1.1)."""
+    types = {f.name: f.type for f in dataclasses.fields(Recipe)}
+    out = {}
+    for key, value in raw.items():
+        t = str(types[key])
+        try:
+            if t == "float" and isinstance(value, (str, int)) and not isinstance(value, bool):
+                value = float(value)
+            elif t == "int" and isinstance(value, str):
+                value = int(value)
+            elif t == "bool" and isinstance(value, str):
+                value = {"true": True, "false": False}[value.lower()]
+        except (ValueError, KeyError):
+            raise UserError(f"recipe key {key} expects {t}, got {value!r}") from None
+        if t == "int" and isinstance(value, float) and value.is_integer():
+            value = int(value)
+        if t in ("int", "float") and (isinstance(value, bool) or not isinstance(value, (int, float))):
+            raise UserError(f"recipe key {key} expects {t}, got {value!r}")
+        if t == "bool" and not isinstance(value, bool):
+            raise UserError(f"recipe key {key} expects true/false, got {value!r}")
+        out[key] = value
+    return out
+
+
+def load_recipe(name: str | None = None, *, config_file: str | Path | None = None, overrides: dict | None = None) -> Recipe:
+    """Recipe `name` (or defaults), then a YAML file, then overrides; validated."""
+    raw: dict[str, Any] = {}
+    if name:
+        raw.update(_read_yaml(recipe_path(name)))
+    if config_file:
+        path = Path(config_file).expanduser()
+        if not path.is_file():
+            raise UserError(f"--config file {path} does not exist")
+        raw.update(_read_yaml(path))
+    if overrides:
+        _check_keys(overrides, "overrides")
+        raw.update(overrides)
+    return Recipe(**_coerce(raw)).validate()

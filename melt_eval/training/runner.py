@@ -1,0 +1,476 @@
+"""The one recipe runner: MELT phase 1/2, the ablation rows, and plain LoopLM training.
+
+Built on Hugging Face Accelerate, so the same code runs on a CPU, one GPU, or many GPUs
+and nodes under `accelerate launch` (recipes/accelerate/fsdp.yaml). Accelerate owns
+device placement, mixed precision, gradient synchronisation and the resumable state;
+this file owns the MELT-specific parts: the student/teacher pair, alpha, the objective,
+gradient accumulation to the recipe's token batch, logging and checkpoints.
+
+Output directory layout:
+
+    DIR/config.json, model.safetensors, tokenizer files   final model (HF format)
+    DIR/melt_eval_training.json                           recipe, code version, teacher, status
+    DIR/recipe.yaml                                       the fully resolved recipe
+    DIR/checkpoints/step-000100/{state/, trainer_state.json}   resumable (Accelerate state + data position)
+    DIR/logs/metrics.jsonl, DIR/logs/tb/                   per-step metrics, TensorBoard
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+import torch
+import yaml
+
+from melt_eval.errors import UserError
+from melt_eval.training.config import Recipe
+from melt_eval.training.data import DataStream, collate
+from melt_eval.training.losses import objective
+
+META_FILE = "melt_eval_training.json"
+# keys that may differ when resuming (they do not change what the run computes)
+RESUME_MUTABLE = {"save_every", "keep_checkpoints", "log_every", "tensorboard"}
+SHAPE_FIELDS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                "num_key_value_heads", "head_dim", "vocab_size", "total_ut_steps")
+
+
+class NonFiniteLoss(UserError):
+    """The loss or gradient norm stopped being finite; the weights were not updated."""
+
+
+# --- models -------------------------------------------------------------------------------------
+
+
+def lr_factor(step: int, recipe: Recipe) -> float:
+    """Linear warmup over `warmup_steps`, then cosine decay to `min_lr_ratio` at `max_steps`."""
+    if recipe.warmup_steps and step < recipe.warmup_steps:
+        return (step + 1) / recipe.warmup_steps
+    span = max(1, recipe.max_steps - recipe.warmup_steps)
+    progress = min(1.0, (step - recipe.warmup_steps) / span)
+    return recipe.min_lr_ratio + (1 - recipe.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def check_teacher(student, teacher) -> None:
+    """Refuse a teacher whose architecture differs from the student's (before any compute)."""
+    bad = [f"{k}: student {getattr(student.config, k, None)} vs teacher {getattr(teacher.config, k, None)}"
+           for k in SHAPE_FIELDS if getattr(student.config, k, None) != getattr(teacher.config, k, None)]
+    t_shapes = {k: v.shape for k, v in teacher.state_dict().items()}
+    bad += [f"{k}: student {tuple(v.shape)} vs teacher {tuple(t_shapes[k])}"
+            for k, v in student.state_dict().items() if k in t_shapes and t_shapes[k] != v.shape][:5]
+    if bad:
+        raise UserError("the teacher does not match the student (" + "; ".join(bad) + "); pass the LoopLM the student was made from with --teacher")
+
+
+def enable_activation_checkpointing(model) -> None:
+    """Recompute each layer's MLP and attention in the backward pass instead of storing them.
+
+    The looped forward calls layer pieces directly and keeps a growing KV store across
+    chunks, so whole layers cannot be re-run; the MLP and the attention kernel are pure
+    functions of their inputs and hold most of the activation memory.
+    """
+    from torch.utils.checkpoint import checkpoint
+
+    for layer in model.model.layers:
+        mlp_forward, attend = layer.mlp.forward, layer.self_attn.attend
+        layer.mlp.forward = lambda x, _f=mlp_forward: checkpoint(_f, x, use_reentrant=False)
+        layer.self_attn.attend = lambda q, k, v, m, _f=attend: checkpoint(_f, q, k, v, m, use_reentrant=False)
+
+
+def _recorded_teacher(model_dir: Path) -> str | None:
+    meta = model_dir / META_FILE
+    if meta.is_file():
+        return json.loads(meta.read_text()).get("teacher")
+    return None
+
+
+def build_models(recipe: Recipe):
+    """(student, teacher or None, tokenizer, provenance dict) for the recipe."""
+    from melt_eval.modeling import LoopLMConfig, LoopLMForCausalLM, MeltForCausalLM, load_model
+    from melt_eval.modeling.loading import checkpoint_model_type, load_tokenizer
+    from melt_eval.registry import resolve_model_dir
+
+    if not recipe.from_model:
+        raise UserError("no starting model: pass --from MODEL (a registry name or checkpoint directory)")
+    from_dir = resolve_model_dir(recipe.from_model)
+    info = {"from_model": recipe.from_model, "from_path": str(from_dir)}
+    kind = checkpoint_model_type(from_dir)
+
+    if recipe.target == "looplm":
+        if kind != "ouro":
+            raise UserError(f"target looplm trains an Ouro-style LoopLM; {recipe.from_model} is {kind!r}")
+        if recipe.from_scratch:  # a fresh LoopLM with the architecture (and tokenizer) of from_model
+            config = LoopLMConfig.from_pretrained(from_dir)
+            for key, value in recipe.model_overrides.items():
+                if not hasattr(config, key):
+                    raise UserError(f"model_overrides: {key!r} is not a LoopLM config field")
+                setattr(config, key, value)
+            torch.manual_seed(recipe.seed)
+            student = LoopLMForCausalLM(config)
+            tokenizer = load_tokenizer(from_dir)
+        else:
+            if recipe.model_overrides:
+                raise UserError("model_overrides only apply with from_scratch: true")
+            student, tokenizer = load_model(from_dir)
+        return student, None, tokenizer, info
+
+    if recipe.from_scratch or recipe.model_overrides:
+        raise UserError("from_scratch/model_overrides are for target looplm; MELT starts from a trained model")
+    model, tokenizer = load_model(from_dir)
+    teacher = None
+    teacher_ref = recipe.teacher
+    if isinstance(model, MeltForCausalLM):
+        if teacher_ref is None:
+            teacher_ref = _recorded_teacher(from_dir)
+        if teacher_ref is None and recipe.needs_teacher():
+            raise UserError(f"{recipe.from_model} is a MELT checkpoint with no recorded teacher; pass --teacher <the original LoopLM>")
+        student = model
+        if model.config.gate != recipe.gate:
+            info["gate_note"] = f"continuing the checkpoint's {model.config.gate!r} gate (recipe gate {recipe.gate!r} ignored)"
+    else:
+        if recipe.phase == 2:
+            raise UserError(f"phase 2 continues a phase-1 MELT checkpoint; {recipe.from_model} is a LoopLM (run phase 1 first)")
+        student = MeltForCausalLM.from_looplm(model, gate=recipe.gate, seed=recipe.gate_seed, ema_decay=recipe.ema_decay)
+        if teacher_ref is None:
+            teacher_ref, teacher = recipe.from_model, model  # the frozen copy of the starting LoopLM
+            info["teacher_path"] = str(from_dir)
+    if recipe.needs_teacher() and teacher is None:
+        teacher_dir = resolve_model_dir(teacher_ref)
+        if checkpoint_model_type(teacher_dir) != "ouro":
+            raise UserError(f"the teacher must be a LoopLM (Ouro) checkpoint; {teacher_ref} is {checkpoint_model_type(teacher_dir)!r}")
+        teacher, _ = load_model(teacher_dir)
+        info["teacher_path"] = str(teacher_dir)
+    info["teacher"] = teacher_ref
+    if teacher is not None:
+        check_teacher(student, teacher)
+        teacher.eval().requires_grad_(False)
+    elif model is not student:
+        del model  # no KD and no alignment: the starting LoopLM is not needed any more
+    return student, teacher, tokenizer, info
+
+
+def param_groups(model, recipe: Recipe) -> list[dict]:
+    """Two groups: MELT's gate parameters at gate_lr, everything else at lr."""
+    gate = list(model.gate_parameters()) if hasattr(model, "gate_parameters") else []
+    gate_ids = {id(p) for p in gate}
+    rest = [p for p in model.parameters() if p.requires_grad and id(p) not in gate_ids]
+    groups = [{"params": rest, "lr": recipe.lr, "base_lr": recipe.lr, "name": "base"}]
+    if gate:
+        groups.append({"params": gate, "lr": recipe.gate_lr, "base_lr": recipe.gate_lr, "name": "gate"})
+    return groups
+
+
+# --- bookkeeping ------------------------------------------------------------------------------------
+
+
+def code_version() -> dict:
+    root = Path(__file__).resolve().parents[2]
+    out = {}
+    try:
+        out["git_sha"] = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10).stdout.strip() or None
+        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--", "melt_eval", "recipes"], capture_output=True, text=True, timeout=10).stdout
+        out["git_dirty"] = bool(dirty.strip())
+    except (OSError, subprocess.SubprocessError):
+        out["git_sha"] = None
+    import accelerate
+    import transformers
+
+    out.update(torch=torch.__version__, transformers=transformers.__version__, accelerate=accelerate.__version__)
+    return out
+
+
+def _checkpoints(output: Path) -> list[Path]:
+    return sorted((output / "checkpoints").glob("step-*"), key=lambda p: int(p.name.split("-")[1]))
+
+
+def _write_json(path: Path, data: dict) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data, indent=2, default=str))
+    os.replace(tmp, path)
+
+
+class Logger:
+    """Per-step metrics to JSONL and TensorBoard (main process only)."""
+
+    def __init__(self, output: Path, enabled: bool, tensorboard: bool, resume_step: int) -> None:
+        self.enabled = enabled
+        self.path = output / "logs" / "metrics.jsonl"
+        self.tb = None
+        if not enabled:
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        if self.path.exists():  # drop records of steps the resumed run will redo
+            keep = [l for l in self.path.read_text().splitlines() if l.strip() and json.loads(l).get("step", 0) <= resume_step]
+            self.path.write_text("".join(l + "\n" for l in keep))
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tb = SummaryWriter(str(output / "logs" / "tb"), purge_step=resume_step + 1 if resume_step else None)
+
+    def log(self, record: dict) -> None:
+        if not self.enabled:
+            return
+        with self.path.open("a") as f:
+            f.write(json.dumps(record) + "\n")
+        if self.tb is not None:
+            step = record["step"]
+            for key, value in record.items():
+                if isinstance(value, (int, float)) and key != "step" and math.isfinite(value):
+                    self.tb.add_scalar(key.replace(".", "/"), value, step)
+            for name, means in (record.get("gate_mean") or {}).items():
+                for t, v in enumerate(means):
+                    if v is not None:
+                        self.tb.add_scalar(f"gate/{name}/loop{t + 1}", v, step)
+
+    def close(self) -> None:
+        if self.tb is not None:
+            self.tb.close()
+
+
+# --- the run -------------------------------------------------------------------------------------
+
+
+def _prepare_output(output: Path, recipe: Recipe, resume: bool) -> tuple[Recipe, Path | None]:
+    """Check the output directory against --resume; return the recipe to run and the checkpoint to load."""
+    saved = output / "recipe.yaml"
+    meta = output / META_FILE
+    if not resume:
+        if saved.exists() or _checkpoints(output):
+            raise UserError(f"{output} already holds a training run; pass --resume to continue it or choose another --output")
+        return recipe, None
+    if not saved.exists():
+        raise UserError(f"--resume: {output} holds no training run (no recipe.yaml); start it without --resume")
+    if meta.exists() and json.loads(meta.read_text()).get("status") == "finished":
+        raise UserError(f"--resume: the run in {output} has already finished; choose another --output for a new run")
+    old = Recipe(**yaml.safe_load(saved.read_text()))
+    diff = [k for k in Recipe.field_names() if k not in RESUME_MUTABLE and getattr(old, k) != getattr(recipe, k)]
+    if diff:
+        detail = ", ".join(f"{k}: {getattr(old, k)!r} -> {getattr(recipe, k)!r}" for k in diff[:6])
+        raise UserError(f"--resume must use the interrupted run's recipe; these keys differ ({detail}). Rerun the same command with --resume")
+    ckpts = _checkpoints(output)
+    return recipe, (ckpts[-1] if ckpts else None)
+
+
+def train(recipe: Recipe, output: str | Path, *, resume: bool = False, progress: bool = True, stop_after: int | None = None) -> Path:
+    """Run a recipe; returns the output directory (the final model is written there).
+
+    stop_after: stop (with a resumable checkpoint) once this many optimiser steps are done,
+    as if interrupted; used by tests of --resume.
+    """
+    from accelerate import Accelerator
+    from accelerate.utils import set_seed
+
+    output = Path(output).expanduser().resolve()
+    recipe, ckpt = _prepare_output(output, recipe, resume)
+    mp = recipe.mixed_precision
+    if mp == "auto":
+        mp = "bf16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "no"
+    accelerator = Accelerator(mixed_precision=mp)
+    set_seed(recipe.seed)
+    main = accelerator.is_main_process
+
+    student, teacher, tokenizer, info = build_models(recipe)
+    if main and info.get("gate_note"):
+        accelerator.print(f"note: {info['gate_note']}")
+    # Ouro's early-exit gate is never used (all T loops always run): freeze it so that DDP/FSDP
+    # see no parameter without a gradient.
+    student.model.early_exit_gate.requires_grad_(False)
+    student.train()
+    if recipe.gradient_checkpointing:
+        enable_activation_checkpointing(student)
+    optimizer = torch.optim.AdamW(
+        param_groups(student, recipe), betas=tuple(recipe.adam_betas), eps=recipe.adam_eps, weight_decay=recipe.weight_decay
+    )
+    model, optimizer = accelerator.prepare(student, optimizer)
+    if teacher is not None:
+        teacher.to(accelerator.device, dtype=torch.bfloat16 if mp == "bf16" else torch.float32)
+
+    world = accelerator.num_processes
+    stream = DataStream(recipe.data, tokenizer, recipe.seq_len, seed=recipe.seed, shuffle_buffer=recipe.shuffle_buffer,
+                        rank=accelerator.process_index, world_size=world)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
+    accum = recipe.grad_accum_steps(world)
+
+    start_step, tokens_seen = 0, 0
+    if ckpt is not None:
+        accelerator.load_state(str(ckpt / "state"))
+        state = json.loads((ckpt / "trainer_state.json").read_text())
+        start_step, tokens_seen = state["step"], state["tokens_seen"]
+        stream.load_state_dict(state["data"])
+        accelerator.print(f"resuming {output} at step {start_step} from {ckpt.name}")
+
+    meta = {"status": "running", "recipe": recipe.to_dict(), "phase": recipe.phase, "target": recipe.target,
+            "teacher": info.get("teacher"), "teacher_path": info.get("teacher_path"), "from_model": info["from_model"],
+            "from_path": info["from_path"], "code": code_version(), "world_size": world, "mixed_precision": mp,
+            "grad_accum_steps": accum}
+    if main:
+        output.mkdir(parents=True, exist_ok=True)
+        (output / "recipe.yaml").write_text(yaml.safe_dump(recipe.to_dict(), sort_keys=False))
+        _write_json(output / META_FILE, meta)
+    logger = Logger(output, main, recipe.tensorboard, start_step)
+
+    learned_gate = any(True for _ in student.gate_parameters()) if hasattr(student, "gate_parameters") else False
+    step = start_step
+    last_good = _checkpoints(output)[-1] if _checkpoints(output) else None
+
+    def save_checkpoint() -> Path:
+        path = output / "checkpoints" / f"step-{step:06d}"
+        accelerator.wait_for_everyone()
+        accelerator.save_state(str(path / "state"))
+        if main:
+            _write_json(path / "trainer_state.json", {"step": step, "tokens_seen": tokens_seen, "data": stream.state_dict()})
+            for old in _checkpoints(output)[: -recipe.keep_checkpoints]:
+                shutil.rmtree(old, ignore_errors=True)
+        accelerator.wait_for_everyone()
+        return path
+
+    bar = _progress(progress and main)
+    task = bar.add_task(f"{recipe.target} phase {recipe.phase}" if recipe.target == "melt" else "looplm", total=recipe.max_steps, completed=start_step, status="")
+    end_step = recipe.max_steps if stop_after is None else min(recipe.max_steps, stop_after)
+    try:
+        with bar:
+            while step < end_step:
+                t0 = time.perf_counter()
+                alpha = recipe.alpha(step)
+                factor = lr_factor(step, recipe)
+                for group in optimizer.param_groups:
+                    group["lr"] = group["base_lr"] * factor
+                batches = [collate([stream.next() for _ in range(recipe.micro_batch_size)], pad_id) for _ in range(accum)]
+                counts = torch.tensor([sum(float(b["loss_mask"][:, 1:].sum()) for b in batches),
+                                       sum(float(b["attention_mask"].sum()) for b in batches)], device=accelerator.device)
+                n_loss, n_tok = accelerator.reduce(counts, reduction="sum").tolist()
+                want_states = recipe.kd or recipe.align_beta > 0 or (learned_gate and step % recipe.log_every == 0)
+                parts: dict[str, float] = {}
+                gate_means = None
+                for i, batch in enumerate(batches):
+                    batch = {k: v.to(accelerator.device) for k, v in batch.items()}
+                    sync = contextlib.nullcontext() if i == accum - 1 else accelerator.no_sync(model)
+                    with sync:
+                        out = model(batch["input_ids"], attention_mask=batch["attention_mask"],
+                                    chunk_size=_chunk(recipe, batch["input_ids"].shape[1]), alpha=alpha,
+                                    output_loop_states=want_states)
+                        teacher_out = None
+                        if teacher is not None:
+                            with torch.no_grad(), accelerator.autocast():
+                                teacher_out = teacher(batch["input_ids"], attention_mask=batch["attention_mask"], output_loop_states=True)
+                        terms = objective(out, teacher_out, batch["input_ids"], batch["loss_mask"], batch["attention_mask"],
+                                          kd=recipe.kd and teacher is not None, kd_beta=recipe.kd_beta,
+                                          kd_temperature=recipe.kd_temperature, ce_weight=recipe.ce_weight,
+                                          align_beta=recipe.align_beta, n_loss_tokens=n_loss, n_tokens=n_tok)
+                        # every process divided by the global token count; DDP averages gradients over processes
+                        accelerator.backward(terms.total * world)
+                    for k, v in terms.parts.items():
+                        parts[k] = parts.get(k, 0.0) + v
+                    parts["loss"] = parts.get("loss", 0.0) + float(terms.total.detach())
+                    if getattr(out, "gate_means", None) is not None:
+                        gate_means = out.gate_means
+                    del out, teacher_out, terms
+                reduced = accelerator.reduce(torch.tensor([parts[k] for k in sorted(parts)], device=accelerator.device), reduction="sum")
+                parts = dict(zip(sorted(parts), reduced.tolist()))
+                if not math.isfinite(parts["loss"]):
+                    _stop_nonfinite("loss", step, parts, last_good, optimizer)
+                grad_norm = float(accelerator.clip_grad_norm_(model.parameters(), recipe.grad_clip))
+                if not math.isfinite(grad_norm):
+                    _stop_nonfinite("gradient norm", step, parts, last_good, optimizer)
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+                step += 1
+                tokens_seen += int(n_tok)
+                dt = time.perf_counter() - t0
+                record = {"step": step, **parts, "alpha": alpha, "grad_norm": grad_norm, "tokens": int(n_tok),
+                          "tokens_seen": tokens_seen, "tokens_per_s": n_tok / dt, "step_time_s": dt}
+                for group in optimizer.param_groups:
+                    record[f"lr.{group['name']}"] = group["lr"]
+                if gate_means is not None:
+                    record["gate_mean"] = {f"layer{i}": [None if math.isnan(v) else round(v, 5) for v in row]
+                                           for i, row in enumerate(gate_means.tolist())}
+                    valid = gate_means[~torch.isnan(gate_means)]
+                    record["gate_mean_all"] = float(valid.mean()) if valid.numel() else float("nan")
+                if (step - 1) % recipe.log_every == 0 or step == end_step:
+                    logger.log(record)
+                bar.update(task, completed=step, status=_status(record))
+                if (recipe.save_every and step % recipe.save_every == 0) or (step == end_step and step < recipe.max_steps):
+                    last_good = save_checkpoint()
+    finally:
+        logger.close()
+
+    if step < recipe.max_steps:  # stopped early on purpose (stop_after): resumable, not finished
+        return output
+    _export(accelerator, model, tokenizer, output, {**meta, "status": "finished", "steps": step, "tokens_seen": tokens_seen})
+    return output
+
+
+def _chunk(recipe: Recipe, length: int) -> int | None:
+    if recipe.target != "melt":
+        return None  # a LoopLM's per-loop cache makes chunking irrelevant: one parallel pass
+    return recipe.chunk_size or length  # 0 = C = L, fully parallel
+
+
+def _stop_nonfinite(what: str, step: int, parts: dict, last_good: Path | None, optimizer) -> None:
+    optimizer.zero_grad(set_to_none=True)
+    terms = ", ".join(f"{k}={v:.4g}" for k, v in sorted(parts.items()))
+    where = f"the last good checkpoint is {last_good}; continue from it with --resume" if last_good else "no checkpoint was written yet"
+    raise NonFiniteLoss(
+        f"non-finite {what} at step {step + 1} ({terms}); stopped before updating the weights; {where} "
+        "(lower lr/gate_lr or check the data)"
+    )
+
+
+def _export(accelerator, model, tokenizer, output: Path, meta: dict) -> None:
+    """The final model in HF format, loadable by MeltForCausalLM/LoopLMForCausalLM.from_pretrained."""
+    from melt_eval.modeling.loading import quiet_transformers
+
+    accelerator.wait_for_everyone()
+    state_dict = accelerator.get_state_dict(model)
+    if accelerator.is_main_process:
+        unwrapped = accelerator.unwrap_model(model)
+        with quiet_transformers():
+            unwrapped.save_pretrained(output, state_dict=state_dict, safe_serialization=True)
+        tokenizer.save_pretrained(output)
+        _write_json(output / META_FILE, meta)
+    accelerator.wait_for_everyone()
+
+
+def _status(record: dict) -> str:
+    bits = [f"loss {record['loss']:.4f}"]
+    for k in ("kd", "sft", "align"):
+        if k in record:
+            bits.append(f"{k} {record[k]:.4f}")
+    bits.append(f"α {record['alpha']:.2f}")
+    if "gate_mean_all" in record:
+        bits.append(f"z̄ {record['gate_mean_all']:.3f}")
+    bits.append(f"{record['tokens_per_s']:.0f} tok/s")
+    return " · ".join(bits)
+
+
+def _progress(enabled: bool):
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                    TimeRemainingColumn(), TextColumn("{task.fields[status]}"), disable=not enabled)
+
+
+def run_recipe(name: str | Recipe, from_model: str | None = None, output: str | Path = "runs/melt", *,
+               overrides: dict | None = None, config_file: str | None = None, resume: bool = False,
+               progress: bool = True, stop_after: int | None = None) -> Path:
+    """Python entry point (used by the CLI, `ablate` and the demo): resolve a recipe and train it."""
+    from melt_eval.training.config import _check_keys, load_recipe
+
+    if isinstance(name, Recipe):
+        overrides = dict(overrides or {})
+        if from_model is not None:
+            overrides["from_model"] = from_model
+        _check_keys(overrides, "overrides")
+        recipe = Recipe(**{**name.to_dict(), **overrides}).validate()
+    else:
+        overrides = dict(overrides or {})
+        if from_model is not None:
+            overrides["from_model"] = from_model
+        recipe = load_recipe(name, config_file=config_file, overrides=overrides)
+    return train(recipe, output, resume=resume, progress=progress, stop_after=stop_after)
