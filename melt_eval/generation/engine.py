@@ -178,23 +178,27 @@ def generate(
     sequences: list[list[int]] = [[] for _ in range(rows)]
     logprobs: list[list[float]] = [[] for _ in range(rows)]
     finish = ["length"] * rows
-    active = torch.ones(rows, dtype=torch.bool, device=device)
+    active = [True] * rows
     logits = last_logits
     for step in range(max_new_tokens):
         tokens = sample_next(logits, temperature, top_p, generators)
         token_logprobs = torch.log_softmax(logits.float(), dim=-1).gather(-1, tokens[:, None])[:, 0]
+        # one device-to-host copy per step; the bookkeeping below is plain Python
+        tokens_host, logprobs_host = tokens.tolist(), token_logprobs.tolist()
         newly = 0
-        for r in torch.nonzero(active).flatten().tolist():
-            tok = int(tokens[r])
+        for r in range(rows):
+            if not active[r]:
+                continue
+            tok = tokens_host[r]
             sequences[r].append(tok)
-            logprobs[r].append(float(token_logprobs[r]))
+            logprobs[r].append(logprobs_host[r])
             newly += 1
             if tok in eos or any(sequences[r][-len(s) :] == s for s in stops):
                 active[r] = False
                 finish[r] = "stop"
         if callback is not None:
             callback(newly)
-        if not active.any() or step == max_new_tokens - 1:
+        if not any(active) or step == max_new_tokens - 1:
             break
         pos = (prompt_lens + step)[:, None]
         x, _ = model.model.run_chunk(tokens[:, None], pos, policy, key_mask=key_mask, kv_sharing=kv_sharing)
