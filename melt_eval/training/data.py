@@ -218,11 +218,14 @@ def build_source(spec: dict, seed: int, shuffle_buffer: int) -> Source:
         raise UserError(f"data source {spec['source']} needs a `path`")
     if spec["source"] == "synthetic":
         num_steps = spec.get("num_steps", 2)
-        items = synthetic.make_split(
-            spec.get("split", "train"), int(spec.get("n", 10_000)), int(spec.get("seed", 0)),
-            num_steps=tuple(num_steps) if isinstance(num_steps, list) else int(num_steps),
-            max_value=int(spec.get("max_value", 9)),
-        )
+        try:
+            items = synthetic.make_split(
+                spec.get("split", "train"), int(spec.get("n", 10_000)), int(spec.get("seed", 0)),
+                num_steps=tuple(num_steps) if isinstance(num_steps, list) else int(num_steps),
+                max_value=int(spec.get("max_value", 9)),
+            )
+        except ValueError as exc:
+            raise UserError(f"data source synthetic: {exc}") from None
         target = spec.get("target", "answer")
         return ListSource([{"messages": synthetic.to_messages(x, target)} for x in items], spec, seed)
     return StreamSource(spec, seed, shuffle_buffer)

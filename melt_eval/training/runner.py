@@ -352,17 +352,9 @@ def train(recipe: Recipe, output: str | Path, *, resume: bool = False, progress:
                     batch = {k: v.to(accelerator.device) for k, v in batch.items()}
                     sync = contextlib.nullcontext() if i == accum - 1 else accelerator.no_sync(model)
                     with sync:
-                        out = model(batch["input_ids"], attention_mask=batch["attention_mask"],
-                                    chunk_size=_chunk(recipe, batch["input_ids"].shape[1]), alpha=alpha,
-                                    output_loop_states=want_states)
-                        teacher_out = None
-                        if teacher is not None:
-                            with torch.no_grad(), accelerator.autocast():
-                                teacher_out = teacher(batch["input_ids"], attention_mask=batch["attention_mask"], output_loop_states=True)
-                        terms = objective(out, teacher_out, batch["input_ids"], batch["loss_mask"], batch["attention_mask"],
-                                          kd=recipe.kd and teacher is not None, kd_beta=recipe.kd_beta,
-                                          kd_temperature=recipe.kd_temperature, ce_weight=recipe.ce_weight,
-                                          align_beta=recipe.align_beta, n_loss_tokens=n_loss, n_tokens=n_tok)
+                        terms, out = forward_objective(model, teacher, batch, recipe, step, n_loss_tokens=n_loss,
+                                                       n_tokens=n_tok, output_loop_states=want_states,
+                                                       teacher_autocast=accelerator.autocast)
                         # every process divided by the global token count; DDP averages gradients over processes
                         accelerator.backward(terms.total * world)
                     for k, v in terms.parts.items():
@@ -370,7 +362,7 @@ def train(recipe: Recipe, output: str | Path, *, resume: bool = False, progress:
                     parts["loss"] = parts.get("loss", 0.0) + float(terms.total.detach())
                     if getattr(out, "gate_means", None) is not None:
                         gate_means = out.gate_means
-                    del out, teacher_out, terms
+                    del out, terms
                 reduced = accelerator.reduce(torch.tensor([parts[k] for k in sorted(parts)], device=accelerator.device), reduction="sum")
                 parts = dict(zip(sorted(parts), reduced.tolist()))
                 if not math.isfinite(parts["loss"]):
@@ -404,6 +396,29 @@ def train(recipe: Recipe, output: str | Path, *, resume: bool = False, progress:
         return output
     _export(accelerator, model, tokenizer, output, {**meta, "status": "finished", "steps": step, "tokens_seen": tokens_seen})
     return output
+
+
+def forward_objective(model, teacher, batch: dict, recipe: Recipe, step: int, *, n_loss_tokens: float, n_tokens: float,
+                      output_loop_states: bool | None = None, teacher_autocast=contextlib.nullcontext):
+    """One micro-batch through student (and teacher) and the recipe's objective at optimiser step `step`.
+
+    Returns (LossTerms, student output). The student runs chunk-wise at the step's alpha; the
+    teacher (the LoopLM, so chunking does not matter for it) runs without gradients.
+    """
+    if output_loop_states is None:
+        output_loop_states = recipe.kd or recipe.align_beta > 0
+    ids, attn = batch["input_ids"], batch["attention_mask"]
+    out = model(ids, attention_mask=attn, chunk_size=_chunk(recipe, ids.shape[1]), alpha=recipe.alpha(step),
+                output_loop_states=output_loop_states)
+    teacher_out = None
+    if teacher is not None and (recipe.kd or recipe.align_beta > 0):
+        with torch.no_grad(), teacher_autocast():
+            teacher_out = teacher(ids, attention_mask=attn, output_loop_states=True)
+    terms = objective(out, teacher_out, ids, batch["loss_mask"], attn, kd=recipe.kd and teacher_out is not None,
+                      kd_beta=recipe.kd_beta, kd_temperature=recipe.kd_temperature, ce_weight=recipe.ce_weight,
+                      align_beta=recipe.align_beta if teacher_out is not None else 0.0,
+                      n_loss_tokens=n_loss_tokens, n_tokens=n_tokens)
+    return terms, out
 
 
 def _chunk(recipe: Recipe, length: int) -> int | None:

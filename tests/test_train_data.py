@@ -1,0 +1,115 @@
+"""Training data: the synthetic task, chat rendering with assistant-only loss, sources, resumable order."""
+
+import json
+
+import pytest
+
+from melt_eval.errors import UserError
+from melt_eval.modeling.tiny import build_tokenizer
+from melt_eval.training import synthetic
+from melt_eval.training.data import DataStream, collate, encode_chat, to_messages
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return build_tokenizer()
+
+
+def test_synthetic_splits_are_deterministic_disjoint_and_correct():
+    a = synthetic.make_split("train", 300, seed=0, num_steps=(1, 3))
+    assert a == synthetic.make_split("train", 300, seed=0, num_steps=(1, 3))
+    assert a != synthetic.make_split("train", 300, seed=1, num_steps=(1, 3))
+    test = synthetic.make_split("test", 100, seed=0, num_steps=(1, 3))
+    assert not {x["problem"] for x in a} & {x["problem"] for x in test}
+    assert len({x["problem"] for x in a}) == 300
+    for item in a + test:
+        env = {}
+        for stmt in item["problem"].split(". ")[:-1]:  # "a = 7", "b = a + 5", ...
+            name, expr = stmt.split(" = ")
+            env[name] = eval(expr, {}, env)
+        asked = item["problem"].rsplit("What is ", 1)[1].rstrip("?")
+        assert str(env[asked]) == item["answer"]
+        assert item["solution"].endswith(f"\\boxed{{{item['answer']}}}.")
+    with pytest.raises(ValueError, match="distinct"):
+        synthetic.make_split("test", 50, num_steps=1, max_value=3)
+
+
+def test_schemas_of_the_paper_datasets_become_chats():
+    ace = {"category": "math", "source": "x", "input": "Q?", "output": "<think>r</think> A"}
+    ot3 = {"difficulty": 5, "source": "y", "domain": "math",
+           "conversations": [{"from": "human", "value": "Q?"}, {"from": "gpt", "value": "A"}]}
+    want = [{"role": "user", "content": "Q?"}, {"role": "assistant", "content": "A"}]
+    assert to_messages(ot3) == want
+    assert to_messages(ace)[0] == want[0] and to_messages(ace)[1]["content"] == "<think>r</think> A"
+    assert to_messages({"problem": "Q?", "solution": "A"}) == want
+    assert to_messages({"text": "hello"}) is None
+
+
+def test_loss_mask_covers_exactly_the_assistant_reply(tok):
+    msgs = [{"role": "user", "content": "a = 3. What is a?"}, {"role": "assistant", "content": "\\boxed{3}"},
+            {"role": "user", "content": "and b?"}, {"role": "assistant", "content": "\\boxed{4}"}]
+    ids, mask = encode_chat(tok, msgs, 512)
+    assert tok.decode(ids) == tok.apply_chat_template(msgs, tokenize=False)
+    trained = tok.decode([i for i, m in zip(ids, mask) if m])
+    assert trained == "\\boxed{3}<|im_end|>\\boxed{4}<|im_end|>"
+    short = encode_chat(tok, msgs, 12)  # truncation inside the first prompt: nothing to learn
+    assert short is None
+    one, _ = encode_chat(tok, msgs[:2], 512)
+    ids2, mask2 = encode_chat(tok, msgs[:2], len(one) - 2)  # keeps part of the reply
+    assert ids2 == one[:-2] and any(mask2)
+
+
+def _write_jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def test_mixture_weights_local_files_and_resume(tmp_path, tok):
+    _write_jsonl(tmp_path / "a.jsonl", [{"input": f"A{i}?", "output": f"a{i}"} for i in range(30)])
+    import pandas as pd
+
+    pd.DataFrame({"conversations": [[{"from": "human", "value": f"B{i}?"}, {"from": "gpt", "value": f"b{i}"}] for i in range(30)]}) \
+        .to_parquet(tmp_path / "b.parquet")
+    specs = [{"source": "local", "path": str(tmp_path / "a.jsonl"), "weight": 0.5},
+             {"source": "local", "path": str(tmp_path / "b.parquet"), "weight": 0.5},
+             {"source": "synthetic", "n": 50, "weight": 0.0}]
+    s = DataStream(specs, tok, 64, seed=0, shuffle_buffer=8)
+    first = [tok.decode(s.next().input_ids) for _ in range(40)]  # crosses an epoch of one file
+    a = sum("user\nA" in t for t in first)
+    assert 10 <= a <= 30 and all("user\nA" in t or "user\nB" in t for t in first)
+    state = s.state_dict()
+    nxt = [s.next().input_ids for _ in range(10)]
+    again = DataStream(specs, tok, 64, seed=0, shuffle_buffer=8)
+    again.load_state_dict(json.loads(json.dumps(state)))
+    assert [again.next().input_ids for _ in range(10)] == nxt
+
+
+def test_same_seed_same_order_and_processes_split_one_stream(tok):
+    specs = [{"source": "synthetic", "n": 40, "num_steps": 1, "weight": 1.0},
+             {"source": "synthetic", "n": 40, "num_steps": 3, "weight": 3.0}]
+    s = DataStream(specs, tok, 64, seed=0)
+    first = [s.next().input_ids for _ in range(30)]
+    assert first == [x.input_ids for x in (lambda d: [d.next() for _ in range(30)])(DataStream(specs, tok, 64, seed=0))]
+    assert first != [x.input_ids for x in (lambda d: [d.next() for _ in range(30)])(DataStream(specs, tok, 64, seed=1))]
+    r0 = DataStream(specs, tok, 64, seed=0, rank=0, world_size=2)
+    r1 = DataStream(specs, tok, 64, seed=0, rank=1, world_size=2)
+    assert [r0.next().input_ids, r1.next().input_ids, r0.next().input_ids, r1.next().input_ids] == first[:4]
+
+
+def test_data_errors_are_user_errors(tmp_path, tok):
+    _write_jsonl(tmp_path / "x.jsonl", [{"text": "no chat here"}])
+    with pytest.raises(UserError, match="cannot make a chat from columns"):
+        DataStream([{"source": "local", "path": str(tmp_path / "x.jsonl")}], tok, 64, seed=0).next()
+    with pytest.raises(UserError, match="matches no files"):
+        DataStream([{"source": "local", "path": str(tmp_path / "none*.jsonl")}], tok, 64, seed=0).next()
+    with pytest.raises(UserError, match="Hugging Face Hub"):  # offline in tests
+        DataStream([{"source": "hub", "path": "nvidia/AceReason-1.1-SFT"}], tok, 64, seed=0).next()
+
+
+def test_collate_pads_right(tok):
+    s = DataStream([{"source": "synthetic", "n": 20}], tok, 64, seed=0)
+    exs = [s.next() for _ in range(3)]
+    b = collate(exs, tok.pad_token_id)
+    for r, e in enumerate(exs):
+        n = len(e.input_ids)
+        assert b["input_ids"][r, :n].tolist() == e.input_ids and b["attention_mask"][r].sum() == n
+        assert not b["attention_mask"][r, n:].any() and not b["loss_mask"][r, n:].any()
