@@ -1,0 +1,145 @@
+"""Training throughput of chunk-wise MELT against fully parallel training (C = L).
+
+MELT's keys/values depend on each token's final loop, so a sequence is trained in chunks
+of C tokens, one after the other (MELT.md "Chunks"): smaller C is closer to inference
+and slower. This measures optimiser steps of the real training path
+(`melt_eval.training.runner.forward_objective`, SFT objective at alpha = 1, AdamW with the
+two parameter groups) for several C in one run, next to C = L and to the LoopLM itself.
+
+    python benchmarks/train_throughput.py [--quick] [--json] [--preset tiny|small|ouro-1.4b]
+        [--seq-len L] [--batch B] [--chunks 16,64,256] [--steps N] [--interp]
+
+Random weights and tokens: throughput does not depend on what the model knows.
+`--interp` adds phase-1 rows (alpha < 1: both KV sets are computed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from melt_eval.modeling import LoopLMConfig, LoopLMForCausalLM, MeltForCausalLM  # noqa: E402
+from melt_eval.training.config import Recipe  # noqa: E402
+from melt_eval.training.runner import forward_objective, param_groups  # noqa: E402
+
+PRESETS = {
+    # the registry's tiny-random-ouro shape
+    "tiny": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2, head_dim=64, vocab_size=512),
+    "small": dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=4, num_attention_heads=8, head_dim=64, vocab_size=8192),
+    # Ouro-1.4B / MELT-1.6B (needs a GPU)
+    "ouro-1.4b": dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=24, num_attention_heads=16, head_dim=128, vocab_size=49152),
+}
+
+
+def build(preset: str, device, dtype):
+    config = LoopLMConfig(**PRESETS[preset], total_ut_steps=4, max_position_embeddings=65536, rope_theta=10000.0)
+    torch.manual_seed(0)
+    with torch.device(device):
+        looplm = LoopLMForCausalLM(config)
+    looplm.model.early_exit_gate.requires_grad_(False)
+    melt = MeltForCausalLM.from_looplm(looplm, gate="elementwise", seed=0)
+    melt.model.early_exit_gate.requires_grad_(False)
+    return looplm.to(dtype), melt.to(dtype)
+
+
+def measure(model, recipe: Recipe, batch: dict, steps: int, step_index: int, device) -> dict:
+    model.train()
+    opt = torch.optim.AdamW(param_groups(model, recipe), betas=(0.9, 0.95), weight_decay=1e-4)
+    n = float(batch["loss_mask"][:, 1:].sum())
+    tokens = batch["input_ids"].numel()
+
+    def one():
+        terms, _ = forward_objective(model, None, batch, recipe, step_index, n_loss_tokens=n, n_tokens=float(tokens))
+        terms.total.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    one()  # warm-up (allocations, kernels)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        one()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    dt = (time.perf_counter() - t0) / steps
+    out = {"step_s": dt, "tokens_per_s": tokens / dt}
+    if device.type == "cuda":
+        out["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+    del opt
+    return out
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="tiny model, short sequences, 2 timed steps")
+    ap.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    ap.add_argument("--preset", choices=list(PRESETS), default=None)
+    ap.add_argument("--seq-len", type=int, default=None)
+    ap.add_argument("--batch", type=int, default=None)
+    ap.add_argument("--chunks", default=None, help="comma-separated chunk sizes (C = L is always added)")
+    ap.add_argument("--steps", type=int, default=None)
+    ap.add_argument("--interp", action="store_true", help="also time phase-1 steps (alpha < 1, both KV sets)")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    args = ap.parse_args(argv)
+
+    device = torch.device(args.device)
+    preset = args.preset or ("tiny" if args.quick or device.type == "cpu" else "small")
+    L = args.seq_len or (128 if args.quick else 512)
+    B = args.batch or (2 if args.quick else 4)
+    steps = args.steps or (2 if args.quick else 5)
+    chunks = [int(c) for c in args.chunks.split(",")] if args.chunks else ([8, 32] if args.quick else [16, 64, 256])
+    chunks = sorted({c for c in chunks if c < L}) + [L]
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+
+    looplm, melt = build(preset, device, dtype)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, PRESETS[preset]["vocab_size"], (B, L), generator=g).to(device)
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids, dtype=torch.bool),
+             "loss_mask": torch.ones_like(ids, dtype=torch.bool)}
+
+    rows = []
+    base = Recipe(kd=False, interpolation_steps=0, data=[{"source": "synthetic"}])
+    rows.append({"model": "looplm", "chunk_size": None, "alpha": None,
+                 **measure(looplm, Recipe(**{**base.to_dict(), "target": "looplm"}), batch, steps, 0, device)})
+    for c in chunks:
+        r = Recipe(**{**base.to_dict(), "chunk_size": c})
+        rows.append({"model": "melt", "chunk_size": c, "alpha": 1.0, **measure(melt, r, batch, steps, 0, device)})
+        if args.interp:
+            ri = Recipe(**{**base.to_dict(), "chunk_size": c, "interpolation_steps": 2})
+            rows.append({"model": "melt", "chunk_size": c, "alpha": 0.5, **measure(melt, ri, batch, steps, 1, device)})
+    full = next(r for r in rows if r["model"] == "melt" and r["chunk_size"] == L and r["alpha"] == 1.0)
+    for r in rows:
+        r["vs_parallel"] = r["tokens_per_s"] / full["tokens_per_s"]
+
+    machine = (torch.cuda.get_device_name(device) if device.type == "cuda"
+               else f"{platform.processor() or platform.machine()} CPU, {torch.get_num_threads()} threads")
+    result = {"machine": machine, "preset": preset, "seq_len": L, "batch": B, "steps": steps,
+              "dtype": str(dtype).replace("torch.", ""), "loops": 4, "rows": rows}
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        print(f"training throughput: {preset} (T=4), B={B}, L={L}, {result['dtype']}, {machine}")
+        print(f"{'model':<7} {'C':>6} {'alpha':>5} {'tokens/s':>10} {'step s':>8} {'vs C=L':>7}" + ("  peak GiB" if device.type == "cuda" else ""))
+        for r in rows:
+            c = "-" if r["chunk_size"] is None else ("L" if r["chunk_size"] == L else str(r["chunk_size"]))
+            a = "-" if r["alpha"] is None else f"{r['alpha']:.1f}"
+            line = f"{r['model']:<7} {c:>6} {a:>5} {r['tokens_per_s']:>10.0f} {r['step_s']:>8.3f} {r['vs_parallel']:>6.2f}x"
+            if "peak_gib" in r:
+                line += f"  {r['peak_gib']:>8.2f}"
+            print(line)
+    return result
+
+
+if __name__ == "__main__":
+    main()
