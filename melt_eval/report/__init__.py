@@ -1,0 +1,1 @@
+"""Paper tables, the memory table and the figures (`melt-eval report`, `melt-eval memory`)."""

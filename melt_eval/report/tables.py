@@ -1,0 +1,414 @@
+"""The paper's five tables, built from a results directory (or from the paper's numbers when there are none).
+
+A `Table` holds numbers, not strings: emphasis (bold best, underlined second) is decided on the values
+as printed, so ties that print alike are marked alike, as in the paper. Renderers turn a `Table` into
+Markdown or booktabs LaTeX.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from melt_eval.registry import MODELS
+from melt_eval.report.latex import standalone, tex_escape
+from melt_eval.report.memory import GB, MB, memory_table, paper_notes
+from melt_eval.report.paper import (
+    ABLATION_BENCHMARKS,
+    ABLATION_FALLBACKS,
+    ABLATIONS,
+    BENCHMARK_LABELS,
+    MAIN_MODELS,
+    MATH_BENCHMARKS,
+    NON_MATH_BENCHMARKS,
+    benchmark_metrics,
+    paper_results,
+)
+from melt_eval.report.results import ResultSet
+
+NA = "n/a"
+
+
+@dataclass
+class Cell:
+    value: float | None = None  # in display units (percent, GB, ...)
+    stderr: float | None = None
+    paper: float | None = None  # the paper's figure, printed beside when the table compares
+    digits: int = 1
+    text: str | None = None  # literal content instead of a number (e.g. "×4")
+    bold: bool = False
+    underline: bool = False
+
+    def shown(self) -> str | None:
+        if self.text is not None:
+            return self.text
+        return None if self.value is None else f"{self.value:.{self.digits}f}"
+
+    def rounded(self) -> float | None:
+        """The value as printed; emphasis compares these so that printed ties are marked alike."""
+        return None if self.value is None else round(self.value, self.digits)
+
+
+@dataclass
+class Row:
+    stub: list[str]
+    cells: list[Cell]
+    rule_before: bool = False
+    shaded: bool = False
+
+
+@dataclass
+class Table:
+    key: str
+    title: str
+    caption: str
+    stub_heads: list[str]
+    heads: list[str]
+    rows: list[Row]
+    groups: list[tuple[str, int]] = field(default_factory=list)  # spanning headers over the data columns
+    notes: list[str] = field(default_factory=list)
+    compare: bool = False  # cells carry the paper's figure to print beside ours
+    source: str = "results"  # "results" or "paper"
+
+
+# ------------------------------------------------------------------ emphasis
+
+
+def mark(cells: list[Cell], second: bool) -> None:
+    """Bold every cell equal to the best printed value; with `second`, underline the next distinct value."""
+    values = sorted({c.rounded() for c in cells if c.rounded() is not None}, reverse=True)
+    for c in cells:
+        c.bold = c.underline = False
+        if c.rounded() is None or not values:
+            continue
+        c.bold = c.rounded() == values[0]
+        c.underline = second and len(values) > 1 and c.rounded() == values[1]
+
+
+# ------------------------------------------------------------------ builders
+
+
+def _display(model: str) -> str:
+    spec = MODELS.get(model)
+    return spec.display if spec else model
+
+
+def _pct(res, metric: str) -> tuple[float | None, float | None]:
+    got = res.metric(metric) if res is not None else None
+    if got is None:
+        return None, None
+    value, stderr = got
+    return 100 * value, None if stderr is None else 100 * stderr
+
+
+def main_table(rs: ResultSet, compare: bool = False) -> Table:
+    paper = paper_results()["main_comparison"]
+    from_paper = rs.empty
+    models = list(MAIN_MODELS)
+    if not from_paper:
+        models += [m for m in rs.main_models() if m not in MAIN_MODELS]
+    compare = compare and not from_paper
+    notes: list[str] = []
+
+    def paper_score(model, bench, metric):
+        key = MAIN_MODELS.get(model)
+        return paper["scores"].get(key, {}).get(bench, {}).get(metric) if key else None
+
+    def paper_stderr(model, bench, metric):
+        key = MAIN_MODELS.get(model)
+        errs = paper["stderr"].get(key, {}).get(bench) if key else None
+        return errs[benchmark_metrics(bench).index(metric)] if errs else None
+
+    rows: list[Row] = []
+    firsts: dict[str, dict[str, float | None]] = {m: {} for m in models}  # unrounded pass@1/accuracy, for averages
+
+    def average_row(label: str, benches, which: str) -> Row:
+        cells = []
+        for m in models:
+            vals = [firsts[m].get(b) for b in benches]
+            computed = sum(vals) / len(vals) if all(v is not None for v in vals) else None
+            printed = paper["averages_pass@1"].get(MAIN_MODELS.get(m, ""), {}).get(which)
+            if from_paper:
+                # The paper's own table prints its own averages; say where they disagree with its cells.
+                if printed is not None and computed is not None and round(computed, 1) != printed:
+                    notes.append(
+                        f"The paper prints {printed:.1f} as {_display(m)}'s {label.lower()}; "
+                        f"its own cells average to {computed:.1f}."
+                    )
+                cells.append(Cell(printed))
+            else:
+                cells.append(Cell(computed, paper=printed if compare else None))
+        mark(cells, second=True)
+        return Row([label, "pass@1"], cells, shaded=True)
+
+    for bench, label in BENCHMARK_LABELS.items():
+        for i, metric in enumerate(benchmark_metrics(bench)):
+            cells = []
+            for m in models:
+                if from_paper:
+                    value, stderr = paper_score(m, bench, metric), paper_stderr(m, bench, metric)
+                else:
+                    value, stderr = _pct(rs.main.get((m, bench)), metric)
+                if i == 0:
+                    firsts[m][bench] = value
+                cells.append(Cell(value, stderr, paper=paper_score(m, bench, metric) if compare else None))
+            mark(cells, second=True)
+            rows.append(Row([label if i == 0 else "", metric], cells, rule_before=bench == NON_MATH_BENCHMARKS[0] and i == 0))
+        if bench == MATH_BENCHMARKS[-1]:
+            rows.append(average_row("Avg math", MATH_BENCHMARKS, "math"))
+    rows.append(average_row("Avg non-math", NON_MATH_BENCHMARKS, "non_math"))
+
+    if not from_paper:
+        notes.append("Averages are over pass@1 (accuracy for one-sample tasks); n/a unless every benchmark has a result.")
+    return Table(
+        key="main",
+        title="Main comparison",
+        caption="Performance comparison across benchmarks (mean $\\pm$ standard error, percent). "
+        "\\textbf{Bold}: best; \\underline{underlined}: second best.",
+        stub_heads=["Dataset", "Metric"],
+        heads=[_display(m) for m in models],
+        rows=rows,
+        notes=notes,
+        compare=compare,
+        source="paper" if from_paper else "results",
+    )
+
+
+def ablation_table(rs: ResultSet, ablation: str, compare: bool = False) -> Table:
+    info = ABLATIONS[ablation]
+    section = paper_results()[info["section"]]
+    from_paper = rs.empty
+    compare = compare and not from_paper
+    variants = list(info["variants"])
+    if not from_paper:
+        variants += [v for v in rs.ablation_variants(ablation) if v not in info["variants"]]
+    columns = [(b, m) for b in ABLATION_BENCHMARKS for m in benchmark_metrics(b)]
+    notes: list[str] = []
+
+    def result_for(variant, bench):
+        got = rs.ablations.get((ablation, variant, bench))
+        if got is not None:
+            return got
+        where = ABLATION_FALLBACKS.get((ablation, variant))
+        if where is None:
+            return None
+        got = rs.main.get((where[1], bench)) if where[0] == "main" else rs.ablations.get((where[0], where[1], bench))
+        if got is not None:
+            src = f"results/{where[1]}" if where[0] == "main" else f"results/ablations/{where[0]}/{where[1]}"
+            note = f"{info['variants'][variant][1]}: no results of its own; the same run's results from {src} are shown."
+            if note not in notes:
+                notes.append(note)
+        return got
+
+    rows = []
+    for v in variants:
+        paper_key, label = info["variants"].get(v, (None, v))
+        cells = []
+        for bench, metric in columns:
+            printed = section.get(paper_key, {}).get(bench, {}).get(metric) if paper_key else None
+            if from_paper:
+                cells.append(Cell(printed))
+            else:
+                value, _ = _pct(result_for(v, bench), metric)
+                cells.append(Cell(value, paper=printed if compare else None))
+        rows.append(Row([label.replace("- ", "\u2212 ", 1)], cells))
+    for j in range(len(columns)):  # the ablation tables bold the best of each column only
+        mark([r.cells[j] for r in rows], second=False)
+    if not from_paper and not any(k[0] == ablation for k in rs.ablations):
+        notes.append(f"No results under {rs.root}/ablations/{ablation}; run `melt-eval ablate {ablation}`.")
+    return Table(
+        key=ablation,
+        title=info["title"],
+        caption=f"{info['title']} (percent). \\textbf{{Bold}}: best in each column.",
+        stub_heads=[info["stub"]],
+        heads=[m for _, m in columns],
+        groups=[(BENCHMARK_LABELS[b], len(benchmark_metrics(b))) for b in ABLATION_BENCHMARKS],
+        rows=rows,
+        notes=notes,
+        compare=compare,
+        source="paper" if from_paper else "results",
+    )
+
+
+MEMORY_TOKENS = 32_768  # the paper's text defines "32k" as 32,768 tokens
+# The paper's memory rows in its order; the last three are commented out of its printed table.
+MEMORY_MODELS = ["melt-1.6b", "ouro-1.4b-thinking", "qwen3-1.7b", "deepseek-r1-1.5b", "qwen3.5-2b", "gemma4-e2b"]
+
+
+def memory_report_table(rs: ResultSet, compare: bool = False) -> Table:
+    """Memory: the paper's rows; ours are exact for 32,768 tokens, the paper's as printed."""
+    from_paper = rs.empty
+    compare = compare and not from_paper
+    rows_m = [r for r in memory_table(MEMORY_MODELS, contexts=(MEMORY_TOKENS,)) if r.paper is not None]
+    digits = [6, 3, 2, 2]
+
+    def ours(r):
+        c = r.context(MEMORY_TOKENS)
+        return [r.kv_bytes_per_token / MB, None if r.model_bytes is None else r.model_bytes / GB, c.kv_bytes / GB,
+                None if c.total_bytes is None else c.total_bytes / GB]
+
+    def theirs(r):
+        p = r.paper
+        return [p.kv_mb_per_token, p.model_gb, p.kv_gb_32k, p.total_gb_32k]
+
+    rows: list[Row] = []
+    for r in rows_m:
+        vals = theirs(r) if from_paper else ours(r)
+        cells = [Cell(v, digits=d, paper=p if compare else None) for v, d, p in zip(vals, digits, theirs(r))]
+        label = r.display + (" \u2020" if r.paper.commented_out else "")
+        if not from_paper and r.kv_source != "analytic":
+            label += "*"
+        # Rules as in the paper: after the looped pair (and its improvement row), before the commented-out rows.
+        after_pair = bool(rows) and rows[-1].stub[0] == "Memory improvement"
+        first_hidden = r.paper.commented_out and not any(x.paper.commented_out for x in rows_m[: rows_m.index(r)])
+        rows.append(Row([label], cells, rule_before=after_pair or first_hidden))
+        if r.model == "ouro-1.4b-thinking":
+            melt = next((x for x in rows_m if x.model == "melt-1.6b"), None)
+            if melt is not None:
+                mv = theirs(melt) if from_paper else ours(melt)
+                # Model memory is not an improvement (MELT adds parameters): the paper prints "--" there.
+                ratios = [None if (a is None or b is None or i == 1) else a / b for i, (a, b) in enumerate(zip(vals, mv))]
+                rows.append(Row(["Memory improvement"], [Cell(text="--" if x is None else "\u00d7" + _ratio(x)) for x in ratios]))
+    notes = paper_notes(rows_m)
+    if from_paper:  # the vLLM-reading marker describes our figures, not the paper's
+        notes = [n for n in notes if not n.startswith("Per-token KV marked")]
+    else:
+        notes.insert(0, f"Ours: bf16, exact arithmetic from the architecture, 32k = {MEMORY_TOKENS:,} tokens.")
+    return Table(
+        key="memory",
+        title="Memory",
+        caption="KV-cache memory per token and VRAM for a 32k-token generation (MB $=10^6$, GB $=10^9$ bytes).",
+        stub_heads=["Model"],
+        heads=["KV-cache (MB/token)", "Model memory (GB)", "KV-cache for 32k (GB)", "Total for 32k (GB)"],
+        rows=rows,
+        notes=notes,
+        compare=compare,
+        source="paper" if from_paper else "results",
+    )
+
+
+def _ratio(x: float) -> str:
+    return f"{x:.2f}".rstrip("0").rstrip(".")
+
+
+def build_tables(rs: ResultSet, compare: bool = False) -> list[Table]:
+    return [
+        main_table(rs, compare),
+        ablation_table(rs, "gates", compare),
+        ablation_table(rs, "components", compare),
+        ablation_table(rs, "kv-sharing", compare),
+        memory_report_table(rs, compare),
+    ]
+
+
+# ------------------------------------------------------------------ rendering
+
+
+def _diff(c: Cell) -> str:
+    return f"{c.value - c.paper:+.{c.digits}f}".replace("-", "\u2212")
+
+
+def cell_markdown(c: Cell) -> str:
+    shown = c.shown()
+    if shown is None:
+        out = NA
+    else:
+        out = f"**{shown}**" if c.bold else f"<ins>{shown}</ins>" if c.underline else shown
+        if c.stderr is not None:
+            out += f" ± {c.stderr:.{c.digits}f}"
+    if c.paper is not None and c.text is None:
+        p = f"{c.paper:.{c.digits}f}"
+        out += f" (paper {p}, Δ {_diff(c)})" if c.value is not None else f" (paper {p})"
+    return out
+
+
+def cell_latex(c: Cell) -> str:
+    shown = c.shown()
+    if shown is None:
+        out = NA
+    else:
+        shown = tex_escape(shown)
+        out = f"\\textbf{{{shown}}}" if c.bold else f"\\underline{{{shown}}}" if c.underline else shown
+        if c.stderr is not None:
+            out += f"{{\\tiny\\textcolor{{gray}}{{$\\pm${c.stderr:.{c.digits}f}}}}}"
+    if c.paper is not None and c.text is None:
+        p = f"{c.paper:.{c.digits}f}"
+        beside = f"{p}; ${c.value - c.paper:+.{c.digits}f}$" if c.value is not None else p
+        out += f" {{\\scriptsize\\textcolor{{gray}}{{[{beside}]}}}}"
+    return out
+
+
+def _heading(t: Table) -> str:
+    src = "the paper's own numbers (no results found)" if t.source == "paper" else "reproduced"
+    return f"{t.title} — {src}"
+
+
+def render_markdown(t: Table) -> str:
+    if t.groups:
+        heads, k = [], 0
+        for g, span in t.groups:
+            heads += [f"{g} {h}" if span > 1 else g for h in t.heads[k : k + span]]
+            k += span
+    else:
+        heads = t.heads
+    lines = [f"### {_heading(t)}", ""]
+    lines.append("| " + " | ".join(t.stub_heads + heads) + " |")
+    lines.append("|" + "|".join([":--"] * len(t.stub_heads) + ["--:"] * len(heads)) + "|")
+    for r in t.rows:
+        stub = [f"**{s}**" if r.shaded and i == 0 else s for i, s in enumerate(r.stub)]
+        lines.append("| " + " | ".join(stub + [cell_markdown(c) for c in r.cells]) + " |")
+    lines.append("")
+    if t.compare:
+        lines.append("Each cell: ours (paper's figure, Δ = ours − paper).")
+    for n in t.notes:
+        lines.append(f"- {n}")
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def render_latex(t: Table) -> str:
+    """One booktabs `table` a paper can paste (needs booktabs and xcolor[table])."""
+    ns, nd = len(t.stub_heads), len(t.heads)
+    out = ["\\begin{table}[t]", "\\centering", "\\small"]
+    caption = t.caption
+    if t.source == "paper":
+        caption += " The paper's own numbers (no results found)."
+    if t.compare:
+        caption += " Each cell: ours, then [paper; ours $-$ paper]."
+    notes = " ".join(tex_escape(n).replace("*", "$^*$") for n in t.notes)
+    out.append(f"\\caption{{{caption} {notes}}}".replace(" }", "}"))
+    out.append(f"\\label{{tab:{t.key}}}")
+    out.append("\\begin{tabular}{" + "l" * ns + "c" * nd + "}")
+    out.append("\\toprule")
+    if t.groups:
+        cells, rules, col = [""] * ns, [], ns + 1
+        for g, span in t.groups:
+            cells.append(f"\\multicolumn{{{span}}}{{c}}{{\\textbf{{{tex_escape(g)}}}}}" if span > 1 else f"\\textbf{{{tex_escape(g)}}}")
+            if span > 1:
+                rules.append(f"\\cmidrule(lr){{{col}-{col + span - 1}}}")
+            col += span
+        out.append(" & ".join(cells) + " \\\\")
+        if rules:
+            out.append("".join(rules))
+    out.append(" & ".join([f"\\textbf{{{tex_escape(h)}}}" for h in t.stub_heads] + [tex_escape(h) for h in t.heads]) + " \\\\")
+    out.append("\\midrule")
+    for r in t.rows:
+        if r.rule_before:
+            out.append("\\midrule")
+        stub = [f"\\textbf{{{tex_escape(s)}}}" if r.shaded and i == 0 else tex_escape(s) for i, s in enumerate(r.stub)]
+        line = " & ".join(stub + [cell_latex(c) for c in r.cells]) + " \\\\"
+        out.append(("\\rowcolor{gray!15}" if r.shaded else "") + line)
+    out += ["\\bottomrule", "\\end{tabular}", "\\end{table}"]
+    return "\n".join(out) + "\n"
+
+
+def render_markdown_report(tables: list[Table]) -> str:
+    return "\n".join(render_markdown(t) for t in tables)
+
+
+def render_latex_report(tables: list[Table]) -> str:
+    # Wide tables (many models, or paper figures beside ours) shrink to the page rather than overflow.
+    body = "\n".join(
+        render_latex(t).replace("\\begin{tabular}", "\\resizebox{\\ifdim\\width>\\linewidth\\linewidth\\else\\width\\fi}{!}{\\begin{tabular}")
+        .replace("\\end{tabular}", "\\end{tabular}}")
+        for t in tables
+    )
+    return standalone(body.replace("\\begin{table}[t]", "\\begin{table}[h]"), "MELT reproduction report")
