@@ -24,7 +24,6 @@ app = typer.Typer(
 )
 
 
-
 @app.callback()
 def _root() -> None:
     """Train, ablate and evaluate MELT and its baselines."""
@@ -43,8 +42,8 @@ COMMAND_MODULES = [
 for _name in COMMAND_MODULES:
     try:
         _module = importlib.import_module(_name)
-    except ModuleNotFoundError as exc:  # only tolerate the module itself being absent
-        if exc.name != _name:
+    except ModuleNotFoundError as exc:  # tolerate only the area itself being absent
+        if exc.name is None or not _name.startswith(exc.name):
             raise
         continue
     _module.register(app)
