@@ -95,7 +95,7 @@ def evaluate(spec: TaskSpec, rows: list[dict], model: HarnessModel, workdir: Pat
     for key, value in results.items():
         if key.endswith("_stderr"):
             continue
-        metrics[metric_name(key)] = {"value": float(value), "stderr": _num(results.get(f"{key}_stderr"))}
+        metrics[metric_name(key, spec)] = {"value": float(value), "stderr": _num(results.get(f"{key}_stderr"))}
     return metrics, details
 
 
@@ -122,7 +122,7 @@ def _details(spec: TaskSpec, details) -> list[dict]:
         out.append({
             "index": (doc.specific or {}).get("index"), "id": (doc.specific or {}).get("id"),
             "gold": doc.get_golds()[0], "completions": rows,
-            "metrics": {metric_name(k): float(v) for k, v in metrics.items()},
+            "metrics": {metric_name(k, spec): float(v) for k, v in metrics.items()},
         })
     return sorted(out, key=lambda r: (r["index"] is None, r["index"]))
 

@@ -151,11 +151,11 @@ def lighteval_metrics(spec: TaskSpec, samples: int | None = None) -> list:
     return [Metrics.pass_at_k_math(sample_params={"k": k, "n": n}) for k in ks]
 
 
-def metric_name(lighteval_name: str) -> str:
-    """LightEval's metric key -> the harness's (results.json, tables)."""
-    params = dict(kv.split("=") for kv in lighteval_name.split(":", 1)[1].split("&")) if ":" in lighteval_name else {}
-    if params.get("n") == "1":
+def metric_name(lighteval_name: str, spec: TaskSpec) -> str:
+    """LightEval's metric key -> the harness's (results.json, tables): accuracy or pass@k."""
+    if spec.samples == 1:
         return "accuracy"
+    params = dict(kv.split("=") for kv in lighteval_name.split(":", 1)[1].split("&")) if ":" in lighteval_name else {}
     return f"pass@{params['k']}" if "k" in params else lighteval_name
 
 

@@ -1,0 +1,196 @@
+"""`run`, `score`, `tasks`: LightEval's metrics on known completions, resumption, bad input."""
+
+from __future__ import annotations
+
+import json
+from math import comb
+
+import pytest
+from typer.testing import CliRunner
+
+from melt_eval.cli import app
+from melt_eval.errors import UserError
+from melt_eval.evaluation import lighteval_model, run_tasks, score_completions
+from melt_eval.evaluation.tasks import SYNTHETIC_TEST
+from melt_eval.training import synthetic
+
+TINY = dict(samples=2, max_problems=4, max_new_tokens=4, progress=False)
+runner = CliRunner()
+
+
+def _write_jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+@pytest.fixture(scope="module")
+def synth_rows():
+    return synthetic.make_split("test", **SYNTHETIC_TEST)
+
+
+def test_score_known_completions_gives_lighteval_pass_at_k(tmp_path, synth_rows):
+    right = lambda i: f"so the answer is \\boxed{{{synth_rows[i]['answer']}}}"  # noqa: E731
+    wrong = lambda i: f"\\boxed{{{int(synth_rows[i]['answer']) + 1000}}}"  # noqa: E731
+    lines = [
+        {"index": 0, "completions": [right(0)] * 16},
+        {"index": 1, "completions": [right(1)] * 4 + [wrong(1)] * 12},
+        {"index": 2, "completions": [wrong(2)] * 16},
+    ]
+    result = score_completions("synthetic", _write_jsonl(tmp_path / "c.jsonl", lines))
+    m = result["metrics"]
+    assert m["pass@1"]["value"] == pytest.approx((1 + 4 / 16 + 0) / 3)
+    pass10_mid = 1 - comb(12, 10) / comb(16, 10)
+    assert m["pass@10"]["value"] == pytest.approx((1 + pass10_mid + 0) / 3)
+    assert m["pass@1"]["stderr"] > 0
+    by_index = {d["index"]: d for d in result["details"]}
+    assert [c["correct"] for c in by_index[1]["completions"]] == [True] * 4 + [False] * 12
+    assert by_index[0]["completions"][0]["extracted"] == synth_rows[0]["answer"]
+
+
+def test_score_real_aime_answers(tmp_path, shared_benchmarks):
+    rows = [json.loads(line) for line in (shared_benchmarks / "aime24.jsonl").read_text().splitlines()]
+    lines = [
+        {"index": 0, "completions": [f"Therefore, the final answer is: $\\boxed{{{rows[0]['answer']}}}$. I hope it is correct"]},
+        {"index": 1, "completions": [f"Therefore, the final answer is: $\\boxed{{{rows[2]['answer']}}}$."]},
+    ]
+    result = score_completions("aime24", _write_jsonl(tmp_path / "c.jsonl", lines), data_dir=shared_benchmarks)
+    assert [d["completions"][0]["correct"] for d in result["details"]] == [True, rows[1]["answer"] == rows[2]["answer"]]
+    assert result["metrics"]["pass@1"]["value"] == pytest.approx(0.5)
+
+
+def test_score_cli_json(tmp_path, synth_rows):
+    path = _write_jsonl(tmp_path / "c.jsonl", [{"index": 3, "completions": [f"\\boxed{{{synth_rows[3]['answer']}}}"] * 16}])
+    res = runner.invoke(app, ["score", "synthetic", "--completions", str(path), "--format", "json"])
+    assert res.exit_code == 0, res.output
+    out = json.loads(res.output.strip().splitlines()[-1])
+    assert out["pass@1"] == 1.0 and out["pass@10"] == 1.0 and "pass@1_stderr" in out
+
+
+@pytest.mark.parametrize(
+    "line, message",
+    [
+        ({"completions": ["x"]}, "names no problem"),
+        ({"index": 10_000, "completions": ["x"]}, "names no problem"),
+        ({"index": 0, "completions": []}, "non-empty list"),
+    ],
+)
+def test_score_bad_completion_lines(tmp_path, line, message):
+    with pytest.raises(UserError, match=message):
+        score_completions("synthetic", _write_jsonl(tmp_path / "c.jsonl", [line]))
+
+
+def test_run_writes_results_and_details(tmp_path):
+    [result] = run_tasks("synthetic", "tiny-random-melt", output=tmp_path, seed=3, **TINY)
+    task_dir = tmp_path / "tiny-random-melt" / "synthetic"
+    on_disk = json.loads((task_dir / "results.json").read_text())
+    assert on_disk == result and result["finished"] and result["num_problems"] == 4
+    assert set(result["metrics"]) == {"pass@1"}  # pass@10 needs at least 10 samples
+    assert 0.0 <= result["metrics"]["pass@1"]["value"] <= 1.0
+    assert result["settings"]["samples"] == 2 and result["settings"]["loops"] == 4
+    assert result["generated_tokens"] > 0 and result["peak_cache_bytes"] > 0
+    details = [json.loads(x) for x in (task_dir / "details.jsonl").read_text().splitlines()]
+    assert [d["index"] for d in details] == [0, 1, 2, 3] and all(len(d["completions"]) == 2 for d in details)
+
+
+class _Interrupt(Exception):
+    pass
+
+
+def test_interrupted_run_resumes_without_regenerating(tmp_path, monkeypatch):
+    calls = []
+    real = lighteval_model.NativeBackend.generate
+
+    def counting(self, prompts, seeds, s, eos):
+        calls.append(len(prompts))
+        if fail_after is not None and len(calls) > fail_after:
+            raise _Interrupt()
+        return real(self, prompts, seeds, s, eos)
+
+    monkeypatch.setattr(lighteval_model.NativeBackend, "problems_per_batch", lambda self, samples: 1)
+    monkeypatch.setattr(lighteval_model.NativeBackend, "generate", counting)
+    fail_after = 2
+    with pytest.raises(_Interrupt):
+        run_tasks("synthetic", "tiny-random-ouro", output=tmp_path / "a", **TINY)
+    task_dir = tmp_path / "a" / "tiny-random-ouro" / "synthetic"
+    assert not (task_dir / "results.json").exists()  # nothing claims the run finished
+    assert len((task_dir / "completions.jsonl").read_text().splitlines()) == 2
+
+    calls.clear()
+    fail_after = None
+    [resumed] = run_tasks("synthetic", "tiny-random-ouro", output=tmp_path / "a", **TINY)
+    assert calls == [1, 1]  # only the two unfinished problems
+    calls.clear()
+    [fresh] = run_tasks("synthetic", "tiny-random-ouro", output=tmp_path / "b", **TINY)
+    assert resumed["metrics"] == fresh["metrics"]  # per-problem seeds: same samples either way
+    a = (task_dir / "details.jsonl").read_text()
+    b = (tmp_path / "b" / "tiny-random-ouro" / "synthetic" / "details.jsonl").read_text()
+    assert a == b
+
+    calls.clear()
+    run_tasks("synthetic", "tiny-random-ouro", output=tmp_path / "a", **TINY)
+    assert calls == []  # finished: not recomputed
+    run_tasks("synthetic", "tiny-random-ouro", output=tmp_path / "a", force=True, **TINY)
+    assert sum(calls) == 4
+
+
+def test_other_settings_do_not_mix_into_a_partial_run(tmp_path):
+    task_dir = tmp_path / "tiny-random-melt" / "synthetic"
+    task_dir.mkdir(parents=True)
+    (task_dir / "run.json").write_text(json.dumps({"model": "tiny-random-melt", "settings": {"samples": 99}}))
+    with pytest.raises(UserError, match="other settings"):
+        run_tasks("synthetic", "tiny-random-melt", output=tmp_path, **TINY)
+
+
+def test_hf_causal_lm_runs_through_transformers_generate(tmp_path):
+    res = runner.invoke(app, ["run", "synthetic", "--model", "tiny-random-llama", "--output", str(tmp_path),
+                              "--samples", "2", "--max-problems", "2", "--max-new-tokens", "4", "--no-progress"])
+    assert res.exit_code == 0, res.output
+    result = json.loads((tmp_path / "tiny-random-llama" / "synthetic" / "results.json").read_text())
+    assert result["finished"] and result["generated_tokens"] > 0 and result["settings"]["loops"] is None
+
+
+def _main(args):
+    """Run the console entry point as a user would; returns its exit code."""
+    import sys
+
+    from melt_eval.cli import main
+
+    old, sys.argv = sys.argv, ["melt-eval", *args]
+    try:
+        main()
+    except SystemExit as exc:
+        return exc.code
+    finally:
+        sys.argv = old
+    return 0
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["run", "nosuchtask", "--model", "tiny-random-melt"], "unknown task 'nosuchtask'"),
+        (["run", "synthetic", "--model", "nosuchmodel"], "unknown model 'nosuchmodel'"),
+        (["run", "aime24", "--model", "tiny-random-melt", "--data-dir", "{tmp}"], "no aime24.jsonl"),
+        (["run", "aime24", "--model", "tiny-random-melt", "--data-dir", "{bad}"], "aime24.jsonl:2 is not valid JSON"),
+        (["run", "synthetic", "--model", "tiny-random-llama", "--kv-sharing", "last"], "LoopLM"),
+    ],
+)
+def test_bad_input_is_one_line_and_leaves_nothing(tmp_path, capsys, args, message):
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "aime24.jsonl").write_text('{"problem": "1+1", "answer": "2"}\n{not json\n')
+    out = tmp_path / "out"
+    args = [a.format(tmp=tmp_path, bad=bad) for a in args] + ["--output", str(out), "--no-progress"]
+    assert _main(args) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and message in err, err
+    assert not list(out.rglob("results.json")) if out.exists() else True
+
+
+def test_tasks_json_lists_the_protocol():
+    res = runner.invoke(app, ["tasks", "--format", "json"])
+    assert res.exit_code == 0
+    tasks = {t["task"]: t for t in json.loads(res.output)["tasks"]}
+    assert tasks["aime24"]["samples"] == 16 and tasks["aime24"]["metrics"] == ["pass@1", "pass@10"]
+    assert tasks["math500"]["samples"] == 1 and tasks["math500"]["metrics"] == ["accuracy"]
+    assert tasks["aime24"]["problems"] == 30 and tasks["math500"]["problems"] == 500
