@@ -181,7 +181,7 @@ def ablation_table(rs: ResultSet, ablation: str, compare: bool = False) -> Table
     variants = list(info["variants"])
     if not from_paper:
         variants += [v for v in rs.ablation_variants(ablation) if v not in info["variants"]]
-    columns = [(b, m) for b in ABLATION_BENCHMARKS for m in benchmark_metrics(b)]
+    columns = _ablation_columns(rs, ablation, from_paper)
     notes: list[str] = []
 
     def result_for(variant, bench):
@@ -204,7 +204,7 @@ def ablation_table(rs: ResultSet, ablation: str, compare: bool = False) -> Table
         paper_key, label = info["variants"].get(v, (None, v))
         cells = []
         for bench, metric in columns:
-            printed = section.get(paper_key, {}).get(bench, {}).get(metric) if paper_key else None
+            printed = section.get(paper_key, {}).get(bench, {}).get(metric) if paper_key and bench in ABLATION_BENCHMARKS else None
             if from_paper:
                 cells.append(Cell(printed))
             else:
@@ -221,11 +221,64 @@ def ablation_table(rs: ResultSet, ablation: str, compare: bool = False) -> Table
         caption=f"{info['title']} (percent). \\textbf{{Bold}}: best in each column.",
         stub_heads=[info["stub"]],
         heads=[m for _, m in columns],
-        groups=[(BENCHMARK_LABELS[b], len(benchmark_metrics(b))) for b in ABLATION_BENCHMARKS],
+        groups=_groups(columns),
         rows=rows,
         notes=notes,
         compare=compare,
         source="paper" if from_paper else "results",
+    )
+
+
+def _task_metrics(rs: ResultSet, task: str) -> list[str]:
+    """Metrics of a task outside the paper, as its results name them (pass@1 first)."""
+    names = {m for r in rs.every if r.task == task for m in r.metrics}
+    return sorted(names, key=lambda m: (not m.startswith("pass@"), int(m[5:]) if m[5:].isdigit() else 0, m))
+
+
+def _ablation_columns(rs: ResultSet, ablation: str, from_paper: bool) -> list[tuple[str, str]]:
+    """The paper's four benchmarks (unless only other tasks have results), then any other task run."""
+    tasks = [t for a, _, t in rs.ablations if a == ablation]
+    extra = list(dict.fromkeys(t for t in tasks if t not in ABLATION_BENCHMARKS))
+    paper_cols = from_paper or not extra or any(t in ABLATION_BENCHMARKS for t in tasks)
+    cols = [(b, m) for b in ABLATION_BENCHMARKS for m in benchmark_metrics(b)] if paper_cols else []
+    return cols + [(t, m) for t in extra for m in _task_metrics(rs, t)]
+
+
+def _groups(columns: list[tuple[str, str]]) -> list[tuple[str, int]]:
+    groups: list[tuple[str, int]] = []
+    for bench, _ in columns:
+        label = BENCHMARK_LABELS.get(bench, bench)
+        if groups and groups[-1][0] == label:
+            groups[-1] = (label, groups[-1][1] + 1)
+        else:
+            groups.append((label, 1))
+    return groups
+
+
+def other_tasks_table(rs: ResultSet) -> Table | None:
+    """Models x metrics for tasks outside the paper's benchmarks (e.g. the demo's synthetic task)."""
+    extra = list(dict.fromkeys(t for _, t in rs.main if t not in BENCHMARK_LABELS))
+    if not extra:
+        return None
+    columns = [(t, m) for t in extra for m in _task_metrics(rs, t)]
+    rows = []
+    for model in rs.main_models():
+        cells = []
+        for task, metric in columns:
+            value, stderr = _pct(rs.main.get((model, task)), metric)
+            cells.append(Cell(value, stderr))
+        rows.append(Row([_display(model)], cells))
+    for j in range(len(columns)):
+        mark([r.cells[j] for r in rows], second=True)
+    return Table(
+        key="other",
+        title="Other tasks",
+        caption="Tasks outside the paper's benchmarks (mean $\\pm$ standard error, percent). "
+        "\\textbf{Bold}: best; \\underline{underlined}: second best.",
+        stub_heads=["Model"],
+        heads=[m for _, m in columns],
+        groups=_groups(columns),
+        rows=rows,
     )
 
 
@@ -291,13 +344,15 @@ def _ratio(x: float) -> str:
 
 
 def build_tables(rs: ResultSet, compare: bool = False) -> list[Table]:
-    return [
+    tables = [
         main_table(rs, compare),
         ablation_table(rs, "gates", compare),
         ablation_table(rs, "components", compare),
         ablation_table(rs, "kv-sharing", compare),
         memory_report_table(rs, compare),
     ]
+    other = other_tasks_table(rs)
+    return tables + ([other] if other else [])
 
 
 # ------------------------------------------------------------------ rendering

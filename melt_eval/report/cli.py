@@ -1,0 +1,109 @@
+"""`melt-eval report` and `melt-eval memory`."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from melt_eval.errors import UserError
+
+
+def write_report(results: Path, output: Path, *, latex: bool = True, markdown: bool = True, paper: bool = False,
+                 plots: bool = True, plot_task: str | None = None) -> dict:
+    """Build every table (and the figures) from `results`; returns {"tables", "files", "source"}."""
+    from melt_eval.report.plots import loops_figure, memory_vs_accuracy
+    from melt_eval.report.results import load_results
+    from melt_eval.report.tables import build_tables, render_latex_report, render_markdown_report
+
+    rs = load_results(results)
+    tables = build_tables(rs, compare=paper)
+    output.mkdir(parents=True, exist_ok=True)
+    files = []
+    if markdown:
+        files.append(_write(output / "report.md", render_markdown_report(tables)))
+    if latex:
+        files.append(_write(output / "report.tex", render_latex_report(tables)))
+    if plots:
+        task = plot_task or ("math500" if any(t == "math500" for _, t in rs.main) or rs.empty else
+                             next((t for _, t in rs.main), "math500"))
+        files += memory_vs_accuracy(rs, output / "plots", task=task)
+        files += loops_figure(rs, output / "plots")
+    notes = [f"unfinished run skipped: {p}" for p in rs.unfinished] + [f"unreadable: {u}" for u in rs.unreadable]
+    return {"tables": tables, "files": files, "source": "paper" if rs.empty else "results", "notes": notes}
+
+
+def _write(path: Path, text: str) -> Path:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text, encoding="utf-8")
+    tmp.replace(path)
+    return path
+
+
+def print_tables(tables) -> None:
+    from rich.console import Console
+    from rich.markdown import Markdown
+
+    from melt_eval.report.tables import render_markdown
+
+    console = Console()
+    for t in tables:
+        console.print(Markdown(render_markdown(t)))
+
+
+def register(app: typer.Typer) -> None:
+    @app.command()
+    def report(
+        latex: bool = typer.Option(False, "--latex", help="Write report.tex (booktabs, compiles standalone)."),
+        markdown: bool = typer.Option(False, "--markdown", help="Write report.md."),
+        results: Path = typer.Option(Path("results"), "--results", help="Results root written by run/ablate."),
+        paper: bool = typer.Option(False, "--paper", help="Print the paper's figure and the difference beside each value."),
+        output: Optional[Path] = typer.Option(None, "--output", help="Where report.* and plots/ go (default RESULTS/report)."),
+        plots: bool = typer.Option(True, "--plots/--no-plots", help="Write the memory-vs-accuracy and loops figures."),
+        plot_task: Optional[str] = typer.Option(None, "--plot-task", help="Task on the figures' accuracy axis (default math500)."),
+    ) -> None:
+        """The paper's tables and figures from whatever results exist (the paper's own with none)."""
+        if not latex and not markdown:
+            latex = markdown = True  # neither asked for: write both
+        out = write_report(results, output or results / "report", latex=latex, markdown=markdown, paper=paper,
+                           plots=plots, plot_task=plot_task)
+        print_tables(out["tables"])
+        if out["source"] == "paper":
+            typer.echo(f"No results under {results}: these are the paper's own tables.")
+        for note in out["notes"]:
+            typer.echo(note)
+        for f in out["files"]:
+            typer.echo(f"wrote {f}")
+
+    @app.command()
+    def memory(
+        models: Optional[str] = typer.Option(None, "--models", help="Comma-separated registry names (default: the paper's)."),
+        context: str = typer.Option("32000,32768", "--context", help="Token counts, comma-separated."),
+        fmt: str = typer.Option("table", "--format", help="table | json | latex"),
+        measure: str = typer.Option("analytic", "--measure", help="analytic | vllm (read the KV size vLLM allocates)."),
+    ) -> None:
+        """KV-cache bytes per token, model bytes, KV and total memory per context; the paper's figures beside."""
+        from melt_eval.report import memory as mem
+
+        if fmt not in ("table", "json", "latex"):
+            raise UserError(f"--format must be table, json or latex, got {fmt!r}")
+        if measure not in ("analytic", "vllm"):
+            raise UserError(f"--measure must be analytic or vllm, got {measure!r}")
+        try:
+            contexts = tuple(int(c) for c in context.split(",") if c.strip())
+        except ValueError:
+            raise UserError(f"--context takes integers separated by commas, got {context!r}") from None
+        names = [m.strip() for m in models.split(",") if m.strip()] if models else None
+        rows = mem.memory_table(names, contexts)
+        if measure == "vllm":
+            measured = mem.measure_with_vllm([r.model for r in rows])
+            for r in rows:
+                r.measured = measured.get(r.model)
+        if fmt == "json":
+            typer.echo(json.dumps(mem.to_json(rows), indent=2))
+        elif fmt == "latex":
+            typer.echo(mem.render_latex(rows, contexts))
+        else:
+            mem.render_rich(rows, contexts)
