@@ -36,6 +36,7 @@ COMMAND_MODULES = [
     "melt_eval.evaluation.cli",
     "melt_eval.training.cli",
     "melt_eval.report.cli",
+    "melt_eval.ablations",
     "melt_eval.demo",
 ]
 

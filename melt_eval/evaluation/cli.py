@@ -39,7 +39,8 @@ def register(app: typer.Typer) -> None:
         share_prompt: bool = typer.Option(False, "--share-prompt", help="KV sharing also over the prompt (no prefill)."),
         prefill_chunk: int = typer.Option(1, "--prefill-chunk", help="Prompt chunk size C (1 = exact MELT)."),
         data_dir: Optional[Path] = typer.Option(None, "--data-dir", help="DIR/<task>.jsonl|.parquet instead of the Hub."),
-        output: Path = typer.Option(Path("results"), help="Results root: OUTPUT/<model>/<task>/."),
+        output: Path = typer.Option(Path("results"), help="Results root: OUTPUT/<name>/<task>/."),
+        name: Optional[str] = typer.Option(None, help="Name for the results (default: the registry name or the checkpoint's directory name)."),
         seed: int = typer.Option(0),
         force: bool = typer.Option(False, help="Recompute finished tasks and discard partial ones."),
         progress: bool = typer.Option(True, "--progress/--no-progress"),
@@ -51,7 +52,7 @@ def register(app: typer.Typer) -> None:
             tasks, model, output=output, backend=backend, samples=samples, temperature=temperature, top_p=top_p,
             max_new_tokens=max_new_tokens, max_problems=max_problems, loops=loops, kv_sharing=kv_sharing,
             share_prompt=share_prompt, prefill_chunk=prefill_chunk, data_dir=data_dir, seed=seed, force=force,
-            progress=progress,
+            progress=progress, name=name,
         )
         _print_results(results)
 

@@ -6,12 +6,12 @@ import json
 from pathlib import Path
 
 from melt_eval.errors import UserError
-from melt_eval.evaluation.tasks import SYNTHETIC_TEST, TaskSpec, prompt_function
+from melt_eval.evaluation.tasks import SYNTHETIC_TEST, TaskSpec, prompt_function, row_id
 from melt_eval.training import synthetic
 
 
 def load_rows(spec: TaskSpec, data_dir: str | Path | None, max_problems: int | None) -> list[dict]:
-    """The evaluation split's rows, in the dataset's order, each with its position as `__index`."""
+    """The evaluation split's rows, in order, each with its position as `_position` (LightEval owns `__index`)."""
     if spec.hf_repo is None:
         rows = synthetic.make_split("test", **SYNTHETIC_TEST)
     elif data_dir is not None:
@@ -23,7 +23,7 @@ def load_rows(spec: TaskSpec, data_dir: str | Path | None, max_problems: int | N
     rows = rows[:max_problems] if max_problems else rows
     check = prompt_function(spec)
     for i, row in enumerate(rows):
-        row["__index"] = i
+        row["_position"] = i
         try:
             check(row, spec.name)
         except (KeyError, TypeError, ValueError) as exc:
@@ -77,7 +77,7 @@ def read_completions(path: Path, rows: list[dict]) -> dict[int, list[str]]:
     """{position in the split: completions} from `{"index"|"id": ..., "completions": [...]}` lines."""
     if not path.exists():
         raise UserError(f"completions file {path} does not exist")
-    ids = {str(r["id"]): i for i, r in enumerate(rows) if r.get("id") is not None}
+    ids = {str(row_id(r)): i for i, r in enumerate(rows) if row_id(r) is not None}
     out: dict[int, list[str]] = {}
     for number, line in enumerate(path.read_text().splitlines(), start=1):
         if not line.strip():

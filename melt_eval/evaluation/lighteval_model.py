@@ -39,8 +39,9 @@ class SamplingSettings:
 
 
 def problem_key(doc: Doc) -> str:
-    """A stable id for a problem: its task and its prompt text (LightEval's doc ids are positional)."""
-    return hashlib.sha256(f"{doc.task_name}\n{doc.query}".encode()).hexdigest()[:16]
+    """A stable id for a problem: its task, its position in the split and its prompt text."""
+    index = (doc.specific or {}).get("index")
+    return hashlib.sha256(f"{doc.task_name}\n{index}\n{doc.query}".encode()).hexdigest()[:16]
 
 
 def problem_seed(seed: int, key: str) -> int:

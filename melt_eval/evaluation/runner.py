@@ -80,8 +80,15 @@ def quiet_lighteval():
 
 def evaluate(spec: TaskSpec, rows: list[dict], model: HarnessModel, workdir: Path):
     """One LightEval Pipeline run of one task at the model's sample count; returns (metrics, details)."""
+    import torch
+
+    grad_mode = torch.is_grad_enabled()
     from lighteval.logging.evaluation_tracker import EvaluationTracker
     from lighteval.pipeline import ParallelismManager, Pipeline, PipelineParameters
+
+    # importing LightEval's pipeline switches autograd off for the whole process (its transformers
+    # model module calls torch.set_grad_enabled(False)); training after an evaluation needs it back
+    torch.set_grad_enabled(grad_mode)
 
     config = task_config(spec, model.settings.samples)
     with lighteval_scope({spec.name: config}, {spec.name: rows}), quiet_lighteval():
@@ -118,7 +125,9 @@ def _details(spec: TaskSpec, details) -> list[dict]:
             if spec.kind == "math":
                 parsed = math_verify.parse(text)
                 extracted = str(parsed[-1]) if parsed else None
-            rows.append({"text": text, "extracted": extracted, "correct": bool(_correct(fn, doc, text))})
+            # one sample: its pass@1 is its correctness (no second run of, say, HumanEval's tests)
+            correct = next(iter(metrics.values())) > 0 if len(texts) == 1 else _correct(fn, doc, text)
+            rows.append({"text": text, "extracted": extracted, "correct": bool(correct)})
         out.append({
             "index": (doc.specific or {}).get("index"), "id": (doc.specific or {}).get("id"),
             "gold": doc.get_golds()[0], "completions": rows,
@@ -246,6 +255,7 @@ def run_tasks(
     seed: int = 0,
     force: bool = False,
     progress: bool = True,
+    name: str | None = None,
 ) -> list[dict]:
     """Evaluate `model` on `tasks` with the paper's protocol; see docs/CONTRACTS.md."""
     names = expand(tasks)
@@ -254,11 +264,11 @@ def run_tasks(
     if kv_sharing not in (None, "first", "last"):
         raise UserError(f"--kv-sharing must be 'first' or 'last', got {kv_sharing!r}")
     # every task's data first: a missing file fails before any model is loaded
-    rows = {name: data.load_rows(SPECS[name], data_dir, max_problems) for name in names}
+    rows = {task: data.load_rows(SPECS[task], data_dir, max_problems) for task in names}
     loaded = None
     out = []
-    for name in names:
-        spec = SPECS[name]
+    for task in names:
+        spec = SPECS[task]
         task_root = Path(results_dir) if results_dir else None
         settings = SamplingSettings(
             samples=samples or spec.samples, temperature=temperature, top_p=top_p,
@@ -266,7 +276,8 @@ def run_tasks(
         )
         if loaded is None:
             loaded = LoadedModel(model, backend, loops, kv_sharing, share_prompt, prefill_chunk)
-        task_dir = (task_root or Path(output) / loaded.display) / name
+            loaded.display = name or loaded.display
+        task_dir = (task_root or Path(output) / loaded.display) / task
         if not force and (done := read_finished(task_dir)):
             out.append(done)
             continue
@@ -276,10 +287,10 @@ def run_tasks(
             "kv_sharing": kv_sharing, "share_prompt": share_prompt, "prefill_chunk": prefill_chunk,
             "max_problems": max_problems,
         }
-        identity = {"model": loaded.display, "task": name, "model_path": str(loaded.model_dir),
+        identity = {"model": loaded.display, "task": task, "model_path": str(loaded.model_dir),
                     "config_hash": loaded.config_hash, "settings": run_settings}
         _claim(task_dir, identity, force)
-        out.append(_run_one(spec, rows[name], loaded, settings, identity, task_dir, progress))
+        out.append(_run_one(spec, rows[task], loaded, settings, identity, task_dir, progress))
     return out
 
 

@@ -126,6 +126,8 @@ SPECS: dict[str, TaskSpec] = {
         TaskSpec("gpqa", "Idavidrein/gpqa", "gpqa_main", "train", 1, "choice", num_problems=448,
                  note="main set, options shuffled deterministically per question"),
         TaskSpec("mmlu_redux", "edinburgh-dawg/mmlu-redux-2.0", "all", "test", 1, "choice"),
+        TaskSpec("humaneval", "openai/openai_humaneval", "default", "test", 1, "code", num_problems=164,
+                 note="unit tests run in a sandboxed child process (no network, time/CPU/memory/output limits)"),
         TaskSpec("synthetic", None, "default", "test", 16, "math", max_new_tokens=16, num_problems=200,
                  note="built in: variable tracking with small arithmetic (melt_eval.training.synthetic)"),
     ]
@@ -143,6 +145,10 @@ GROUPS: dict[str, list[str]] = {
 def lighteval_metrics(spec: TaskSpec, samples: int | None = None) -> list:
     """LightEval metric objects for `samples` per problem (default: the paper's count)."""
     n = samples or spec.samples
+    if spec.kind == "code":
+        from melt_eval.evaluation.code import humaneval_metric
+
+        return [humaneval_metric()]
     if spec.kind == "choice":
         return [Metrics.gpqa_instruct_pass_at_k(sample_params={"k": 1, "n": 1})]
     if spec.samples == 1:  # one-sample tasks report accuracy of the first sample
@@ -166,7 +172,16 @@ def prompt_function(spec: TaskSpec):
         return gpqa_prompt
     if spec.name == "mmlu_redux":
         return mmlu_redux_prompt
+    if spec.name == "humaneval":
+        from melt_eval.evaluation.code import humaneval_prompt
+
+        return humaneval_prompt
     return _math_prompt(spec.template)
+
+
+def row_id(line: dict):
+    """A dataset's own problem id, where it has one."""
+    return next((line[k] for k in ("id", "task_id", "ID") if line.get(k) is not None), None)
 
 
 def _with_position(prompt):
@@ -174,7 +189,7 @@ def _with_position(prompt):
 
     def wrapped(line: dict, task_name: str | None = None) -> Doc:
         doc = prompt(line, task_name)
-        doc.specific = {"index": line.get("__index"), "id": line.get("id")}
+        doc.specific = {"index": line.get("_position"), "id": row_id(line)}
         return doc
 
     return wrapped

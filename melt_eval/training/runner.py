@@ -257,6 +257,7 @@ def _prepare_output(output: Path, recipe: Recipe, resume: bool) -> tuple[Recipe,
     return recipe, (ckpts[-1] if ckpts else None)
 
 
+@torch.enable_grad()  # whatever the caller's mode (an evaluation earlier in the process may have turned it off)
 def train(recipe: Recipe, output: str | Path, *, resume: bool = False, progress: bool = True, stop_after: int | None = None) -> Path:
     """Run a recipe; returns the output directory (the final model is written there).
 

@@ -1,0 +1,246 @@
+"""`melt-eval ablate gates|components|kv-sharing`: the paper's ablation tables as resumable plans.
+
+A plan is a list of variants; each variant is zero or more training runs (phase 1, maybe phase 2,
+from `melt_eval.training.ladder`) and one evaluation. Training runs are named by what they compute
+(recipe, overrides, starting point), so a run two tables share is trained once: the gate table's
+`elementwise` row, the component ladder's `no-align` row and phase 1 of its `full` row are the same
+run, as in the paper. Finished runs are skipped, interrupted ones resume, and evaluations resume
+through `run_tasks`.
+
+    runs/ablations/<run id>/                       checkpoints (RUNS)
+    results/ablations/<ablation>/<variant>/<task>/  results.json (OUTPUT)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from melt_eval.errors import UserError
+from melt_eval.training import ladder
+from melt_eval.training.config import load_recipe
+
+ABLATIONS = ("gates", "components", "kv-sharing")
+PRESETS = {
+    # recipes base, default base model, default tasks
+    "paper": {"recipes": "paper", "base": "ouro-1.4b-thinking", "tasks": "ablation"},
+    "tiny": {"recipes": "tiny", "base": "tiny-random-ouro", "tasks": "synthetic"},
+}
+# The untrained KV-sharing baselines (MELT.md section 2): which loop's KV every loop reuses, and
+# whether the prompt keeps Ouro's per-loop cache ("w/ prefill") or shares it too.
+KV_SHARING = {
+    "ouro": {"kv_sharing": None, "share_prompt": False},
+    "last-prefill": {"kv_sharing": "last", "share_prompt": False},
+    "last": {"kv_sharing": "last", "share_prompt": True},
+    "first-prefill": {"kv_sharing": "first", "share_prompt": False},
+    "first": {"kv_sharing": "first", "share_prompt": True},
+}
+# The paper's compute (appendix): a phase-1-only ablation run took 60 h on 8 H100s; the full
+# two-phase MELT-1.6B run took 1,040 GPU-hours; evaluation was ~500 GPU-hours for everything.
+PAPER_GPU_HOURS = {"phase1-only": 480, "full": 1040}
+
+
+@dataclass
+class TrainRun:
+    phase: int
+    recipe: str
+    overrides: dict
+    start: "str | TrainRun"  # a model name/path, or the run this one continues (phase 2)
+
+    @property
+    def run_id(self) -> str:
+        start = self.start.run_id if isinstance(self.start, TrainRun) else self.start
+        blob = json.dumps([self.recipe, self.overrides, start], sort_keys=True)
+        readable = "-".join([self.recipe] + [f"{k}={v}" for k, v in sorted(self.overrides.items())])
+        return f"{readable}-{hashlib.sha256(blob.encode()).hexdigest()[:8]}".replace("/", "_")
+
+
+@dataclass
+class Variant:
+    ablation: str
+    name: str
+    train: list[TrainRun] = field(default_factory=list)
+    base: str = ""  # evaluated as is when there is no training
+    eval_options: dict = field(default_factory=dict)
+
+    @property
+    def gpu_hours(self) -> str:
+        if not self.train:
+            return "eval only"
+        return f"{PAPER_GPU_HOURS['full' if len(self.train) == 2 else 'phase1-only']:,} GPU-h (paper)"
+
+
+def plan(ablation: str, preset: str = "paper", base: str | None = None, train_overrides: dict | None = None) -> list[Variant]:
+    """The variants of one ablation; `train_overrides` (e.g. max_steps) apply to every training run."""
+    if ablation not in ABLATIONS:
+        raise UserError(f"unknown ablation {ablation!r}; choose one of {', '.join(ABLATIONS)}")
+    if preset not in PRESETS:
+        raise UserError(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
+    base = base or PRESETS[preset]["base"]
+    recipes = PRESETS[preset]["recipes"]
+    if ablation == "kv-sharing":
+        return [Variant(ablation, name, base=base, eval_options=dict(opts)) for name, opts in KV_SHARING.items()]
+    names = list(ladder.GATE_VARIANTS) if ablation == "gates" else list(ladder.LADDER)
+    variants = []
+    for name in names:
+        runs: list[TrainRun] = []
+        for phase, recipe, overrides in ladder.plan(name, base=recipes):
+            defaults = load_recipe(recipe).to_dict()
+            # an override equal to the recipe's own value is no change: dropping it lets equal runs share an id
+            changed = {k: v for k, v in {**overrides, **(train_overrides or {})}.items() if defaults.get(k) != v}
+            runs.append(TrainRun(phase, recipe, changed, runs[-1] if runs else base))
+        variants.append(Variant(ablation, name, train=runs))
+    return variants
+
+
+def _train_command(run: TrainRun, runs_dir: Path) -> str:
+    start = runs_dir / run.start.run_id if isinstance(run.start, TrainRun) else run.start
+    flags = []
+    for key, value in sorted(run.overrides.items()):
+        if key == "gate":
+            flags.append(f"--gate {value}")
+        elif key == "interpolation_steps":
+            flags.append(f"--interpolation-steps {value}")
+        elif key == "kd":
+            flags.append("--kd" if value else "--no-kd")
+        elif key == "chunk_size":
+            flags.append(f"--chunk-size {value}")
+        else:
+            flags.append(f"--set {key}={value}")
+    return " ".join([f"melt-eval train --recipe {run.recipe} --from {start} --output {runs_dir / run.run_id}", *flags])
+
+
+def _eval_model(variant: Variant, runs_dir: Path) -> str:
+    return str(runs_dir / variant.train[-1].run_id) if variant.train else variant.base
+
+
+def _eval_command(variant: Variant, runs_dir: Path, output: Path, tasks: str, backend: str) -> str:
+    opts = variant.eval_options
+    flags = [f"--kv-sharing {opts['kv_sharing']}"] if opts.get("kv_sharing") else []
+    flags += ["--share-prompt"] if opts.get("share_prompt") else []
+    return " ".join([f"melt-eval run {tasks} --model {_eval_model(variant, runs_dir)} --backend {backend}",
+                     f"--name {variant.name} --output {output / 'ablations' / variant.ablation}", *flags])
+
+
+def describe(variants: list[Variant], runs_dir: Path, output: Path, tasks: str, backend: str) -> list[dict]:
+    """Every step the plan would run, with its command and the paper's GPU-hours (for --dry-run)."""
+    steps, seen = [], set()
+    for v in variants:
+        for run in v.train:
+            status = "shared" if run.run_id in seen else _train_status(runs_dir / run.run_id)
+            seen.add(run.run_id)
+            steps.append({"ablation": v.ablation, "variant": v.name, "step": f"train phase {run.phase}", "status": status,
+                          "command": _train_command(run, runs_dir), "paper_gpu_hours": v.gpu_hours})
+        steps.append({"ablation": v.ablation, "variant": v.name, "step": "evaluate", "status": "",
+                      "command": _eval_command(v, runs_dir, output, tasks, backend),
+                      "paper_gpu_hours": "part of ~500 GPU-h (all evaluation)"})
+    return steps
+
+
+def _train_status(run_dir: Path) -> str:
+    meta = run_dir / "melt_eval_training.json"
+    if meta.exists() and json.loads(meta.read_text()).get("status") == "finished":
+        return "done"
+    return "resume" if (run_dir / "recipe.yaml").exists() else "to do"
+
+
+def train_run(run: TrainRun, runs_dir: Path, progress: bool = True) -> Path:
+    """Train one run unless it has finished; resume it if it was interrupted."""
+    from melt_eval.training import run_recipe
+
+    out = runs_dir / run.run_id
+    status = _train_status(out)
+    if status == "done":
+        return out
+    start = train_run(run.start, runs_dir, progress) if isinstance(run.start, TrainRun) else run.start
+    return run_recipe(run.recipe, str(start), out, overrides=dict(run.overrides), resume=status == "resume",
+                      progress=progress)
+
+
+def evaluate_once(model: str, results_dir: Path, name: str, tasks: str, *, evaluated: dict, eval_options: dict | None = None,
+                  backend: str = "native", progress: bool = True, **eval_kwargs) -> list[dict]:
+    """`run_tasks` into `results_dir`, copying the results of the same model and options evaluated earlier."""
+    from melt_eval.evaluation import run_tasks
+    from melt_eval.evaluation.tasks import expand
+
+    eval_options = eval_options or {}
+    key = (str(model), json.dumps(eval_options, sort_keys=True))
+    if key in evaluated and evaluated[key] != results_dir:
+        for task in expand(tasks):
+            src, dst = evaluated[key] / task, results_dir / task
+            if (src / "results.json").exists() and not dst.exists():
+                shutil.copytree(src, dst)
+                data = json.loads((dst / "results.json").read_text())
+                data["model"] = name
+                (dst / "results.json").write_text(json.dumps(data, indent=2) + "\n")
+    results = run_tasks(tasks, model, results_dir=results_dir, backend=backend, progress=progress, name=name,
+                        **eval_options, **eval_kwargs)
+    evaluated.setdefault(key, results_dir)
+    return results
+
+
+def run_variants(variants: list[Variant], *, runs_dir: Path, output: Path, tasks: str, backend: str = "native",
+                 eval_kwargs: dict | None = None, progress: bool = True, evaluated: dict | None = None) -> list[dict]:
+    """Train and evaluate every variant; a checkpoint evaluated once (per `evaluated`) is copied, not re-run."""
+    evaluated = {} if evaluated is None else evaluated
+    results = []
+    for v in variants:
+        for run in v.train:
+            train_run(run, runs_dir, progress)
+        results += evaluate_once(_eval_model(v, runs_dir), output / "ablations" / v.ablation / v.name, v.name, tasks,
+                                 evaluated=evaluated, eval_options=v.eval_options, backend=backend, progress=progress,
+                                 **(eval_kwargs or {}))
+    return results
+
+
+def register(app: typer.Typer) -> None:
+    @app.command()
+    def ablate(
+        ablation: str = typer.Argument(..., help="gates | components | kv-sharing"),
+        preset: str = typer.Option("paper", help="paper (Ouro-1.4B, paper recipes) | tiny (CPU-sized recipes)"),
+        base: Optional[str] = typer.Option(None, help="Base LoopLM (default: the preset's)."),
+        tasks: Optional[str] = typer.Option(None, help="Tasks to evaluate (default: the paper's ablation set)."),
+        backend: str = typer.Option("native", help="native | vllm"),
+        output: Path = typer.Option(Path("results"), help="Results root (ablations/<ablation>/<variant>/)."),
+        runs: Path = typer.Option(Path("runs/ablations"), help="Where training runs go."),
+        samples: Optional[int] = typer.Option(None, help="Samples per problem (default: the paper's)."),
+        max_problems: Optional[int] = typer.Option(None, "--max-problems"),
+        max_new_tokens: Optional[int] = typer.Option(None, "--max-new-tokens"),
+        max_steps: Optional[int] = typer.Option(None, "--max-steps", help="Cap every training run's steps."),
+        data_dir: Optional[Path] = typer.Option(None, "--data-dir"),
+        seed: int = typer.Option(0),
+        dry_run: bool = typer.Option(False, "--dry-run", help="Print every run with its command; run nothing."),
+        progress: bool = typer.Option(True, "--progress/--no-progress"),
+    ) -> None:
+        """Run one of the paper's ablations: training (where it has any), then evaluation. Resumable."""
+        from rich.console import Console
+        from rich.table import Table
+
+        from melt_eval.evaluation.tasks import expand
+
+        variants = plan(ablation, preset, base, {"max_steps": max_steps} if max_steps else None)
+        tasks = tasks or PRESETS[preset]["tasks"]
+        expand(tasks)  # unknown tasks fail before anything runs
+        if dry_run:
+            table = Table(title=f"ablate {ablation} --preset {preset}: plan (nothing run)")
+            for col in ("variant", "step", "status", "command", "paper compute"):
+                table.add_column(col, overflow="fold")
+            for s in describe(variants, runs, output, tasks, backend):
+                table.add_row(s["variant"], s["step"], s["status"], s["command"], s["paper_gpu_hours"])
+            Console(width=200).print(table)
+            return
+        eval_kwargs = {k: v for k, v in dict(samples=samples, max_problems=max_problems, max_new_tokens=max_new_tokens,
+                                             data_dir=data_dir, seed=seed).items() if v is not None}
+        run_variants(variants, runs_dir=runs, output=output, tasks=tasks, backend=backend, eval_kwargs=eval_kwargs,
+                     progress=progress)
+        from melt_eval.report.results import load_results
+        from melt_eval.report.tables import ablation_table, render_markdown
+        from rich.markdown import Markdown
+
+        Console().print(Markdown(render_markdown(ablation_table(load_results(output), ablation))))

@@ -1,0 +1,70 @@
+"""`melt-eval ablate`: plans, --dry-run, shared runs, and the KV-sharing settings."""
+
+from __future__ import annotations
+
+import pytest
+from typer.testing import CliRunner
+
+from melt_eval import ablations
+from melt_eval.cli import app
+
+runner = CliRunner()
+
+EXPECTED = {
+    "gates": ["elementwise", "scalar", "ema-0.2", "mean", "last"],
+    "components": ["full", "no-align", "no-interp", "no-kd", "no-chunk"],
+    "kv-sharing": ["ouro", "last-prefill", "last", "first-prefill", "first"],
+}
+
+
+@pytest.mark.parametrize("ablation", list(EXPECTED))
+@pytest.mark.parametrize("preset", ["paper", "tiny"])
+def test_dry_run_lists_every_variant_and_runs_nothing(tmp_path, ablation, preset, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    res = runner.invoke(app, ["ablate", ablation, "--preset", preset, "--dry-run"], terminal_width=400)
+    assert res.exit_code == 0, res.output
+    steps = ablations.describe(ablations.plan(ablation, preset), tmp_path / "runs", tmp_path / "results",
+                               "ablation", "native")
+    assert list(dict.fromkeys(s["variant"] for s in steps)) == EXPECTED[ablation]
+    for variant in EXPECTED[ablation]:
+        assert variant in res.output
+    assert list(tmp_path.iterdir()) == []  # no run, no results, no directories
+
+
+def test_gate_and_ladder_runs_are_the_papers():
+    gates = {v.name: v for v in ablations.plan("gates", "paper")}
+    assert all(len(v.train) == 1 and v.train[0].recipe == "paper-phase1" for v in gates.values())  # phase 1 only
+    from melt_eval.training.config import load_recipe
+
+    assert gates["ema-0.2"].train[0].overrides == {"gate": "ema"}  # ema_decay 0.2 is the recipe's own value
+    assert load_recipe("paper-phase1").ema_decay == 0.2
+    comp = {v.name: v for v in ablations.plan("components", "paper")}
+    assert [r.recipe for r in comp["full"].train] == ["paper-phase1", "paper-phase2"]
+    assert comp["no-interp"].train[0].overrides == {"interpolation_steps": 0}
+    assert comp["no-kd"].train[0].overrides == {"interpolation_steps": 0, "kd": False}
+    assert comp["no-chunk"].train[0].overrides == {"interpolation_steps": 0, "kd": False, "chunk_size": 0}
+    # one run serves three rows, as in the paper: gate elementwise = no-align = phase 1 of full
+    ids = {gates["elementwise"].train[0].run_id, comp["no-align"].train[0].run_id, comp["full"].train[0].run_id}
+    assert len(ids) == 1
+    assert comp["full"].train[1].start is comp["full"].train[0]
+    assert gates["elementwise"].gpu_hours.startswith("480") and comp["full"].gpu_hours.startswith("1,040")
+
+
+def test_kv_sharing_variants_are_evaluation_only_with_the_spec_settings():
+    kv = {v.name: v for v in ablations.plan("kv-sharing", "paper")}
+    assert all(not v.train and v.base == "ouro-1.4b-thinking" for v in kv.values())
+    assert kv["ouro"].eval_options == {"kv_sharing": None, "share_prompt": False}
+    assert kv["last-prefill"].eval_options == {"kv_sharing": "last", "share_prompt": False}
+    assert kv["first"].eval_options == {"kv_sharing": "first", "share_prompt": True}
+
+
+def test_train_overrides_change_the_run_id():
+    a = ablations.plan("gates", "tiny")[0].train[0]
+    b = ablations.plan("gates", "tiny", train_overrides={"max_steps": 3})[0].train[0]
+    assert a.run_id != b.run_id and b.overrides["max_steps"] == 3
+
+
+def test_unknown_ablation_is_a_one_line_error():
+    res = runner.invoke(app, ["ablate", "nosuch", "--dry-run"])
+    assert res.exit_code != 0
+    assert "unknown ablation 'nosuch'" in str(res.exception)
