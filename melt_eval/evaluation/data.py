@@ -18,6 +18,8 @@ def load_rows(spec: TaskSpec, data_dir: str | Path | None, max_problems: int | N
         rows = _read_local(spec, Path(data_dir))
     else:
         rows = _read_hub(spec)
+    if spec.select is not None:
+        rows = spec.select(rows)
     if not rows:
         raise UserError(f"{spec.name}: the data has no rows")
     rows = rows[:max_problems] if max_problems else rows

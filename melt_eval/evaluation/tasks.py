@@ -36,12 +36,12 @@ class TaskSpec:
     hf_subset: str
     split: str
     samples: int  # samples per problem (the paper's)
-    kind: str  # "math" | "choice" | "code"
+    kind: str  # "math" | "choice" | "code" | "judge-free"
     template: str = MATH_PROMPT_TEMPLATE
     max_new_tokens: int = PAPER_MAX_NEW_TOKENS
     num_problems: int | None = None  # the evaluation split's size, where fixed
     note: str = ""
-    hf_filter: object = field(default=None, compare=False)
+    select: object = field(default=None, compare=False)  # rows -> the evaluated rows (a fixed subset)
 
     @property
     def metrics(self) -> list[str]:
@@ -109,6 +109,12 @@ def mmlu_redux_prompt(line: dict, task_name: str | None = None) -> Doc:
     return _choice_doc(task_name, line["question"], list(line["choices"]), int(line["answer"]))
 
 
+def _hle_subset(rows: list[dict]) -> list[dict]:
+    from melt_eval.evaluation.hle import select_subset
+
+    return select_subset(rows)
+
+
 # ---------------------------------------------------------------- the table
 
 SPECS: dict[str, TaskSpec] = {
@@ -126,6 +132,9 @@ SPECS: dict[str, TaskSpec] = {
         TaskSpec("gpqa", "Idavidrein/gpqa", "gpqa_main", "train", 1, "choice", num_problems=448,
                  note="main set, options shuffled deterministically per question"),
         TaskSpec("mmlu_redux", "edinburgh-dawg/mmlu-redux-2.0", "all", "test", 1, "choice"),
+        TaskSpec("hle", "cais/hle", "default", "test", 1, "judge-free", num_problems=300,
+                 note="fixed text-only subset: first 300 by sha256(id); letter / math-verify scoring, no paid judge",
+                 select=_hle_subset),
         TaskSpec("humaneval", "openai/openai_humaneval", "default", "test", 1, "code", num_problems=164,
                  note="unit tests run in a sandboxed child process (no network, time/CPU/memory/output limits)"),
         TaskSpec("synthetic", None, "default", "test", 16, "math", max_new_tokens=16, num_problems=200,
@@ -149,6 +158,10 @@ def lighteval_metrics(spec: TaskSpec, samples: int | None = None) -> list:
         from melt_eval.evaluation.code import humaneval_metric
 
         return [humaneval_metric()]
+    if spec.kind == "judge-free":
+        from melt_eval.evaluation.hle import hle_metric
+
+        return [hle_metric()]
     if spec.kind == "choice":
         return [Metrics.gpqa_instruct_pass_at_k(sample_params={"k": 1, "n": 1})]
     if spec.samples == 1:  # one-sample tasks report accuracy of the first sample
@@ -176,6 +189,10 @@ def prompt_function(spec: TaskSpec):
         from melt_eval.evaluation.code import humaneval_prompt
 
         return humaneval_prompt
+    if spec.name == "hle":
+        from melt_eval.evaluation.hle import hle_prompt
+
+        return hle_prompt
     return _math_prompt(spec.template)
 
 
