@@ -11,10 +11,7 @@ from __future__ import annotations
 import json
 import re
 
-import numpy as np
-from lighteval.metrics.metrics_sample import PassAtK
-from lighteval.metrics.utils.metric_utils import SampleLevelMetric
-from lighteval.tasks.requests import Doc, SamplingMethod
+from lighteval.tasks.requests import Doc
 
 from melt_eval.evaluation.sandbox import SandboxLimits, run_python
 
@@ -47,13 +44,3 @@ def program(problem: dict, completion: str) -> str:
 def humaneval_score(doc: Doc, model_response) -> float:
     problem = json.loads(doc.get_golds()[0])
     return float(run_python(program(problem, model_response.final_text[0]), LIMITS).passed)
-
-
-def humaneval_metric() -> SampleLevelMetric:
-    return SampleLevelMetric(
-        metric_name="humaneval_pass@k:k=1&n=1",
-        sample_level_fn=PassAtK(k=1, n=1, sample_scoring_function=humaneval_score),
-        category=SamplingMethod.GENERATIVE,
-        corpus_level_fn=np.mean,
-        higher_is_better=True,
-    )

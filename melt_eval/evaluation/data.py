@@ -48,18 +48,22 @@ def _read_local(spec: TaskSpec, data_dir: Path) -> list[dict]:
             return pd.read_parquet(path).to_dict("records")
         except Exception as exc:  # pyarrow raises several types for a bad file
             raise UserError(f"{path} is not a readable parquet file ({exc})") from None
-    rows = []
+    return [row for _, row in _json_lines(path)]
+
+
+def _json_lines(path: Path):
+    """("file:line", object) for each non-empty line; a line that is not a JSON object is a UserError."""
     for number, line in enumerate(path.read_text().splitlines(), start=1):
         if not line.strip():
             continue
+        where = f"{path}:{number}"
         try:
             row = json.loads(line)
         except json.JSONDecodeError as exc:
-            raise UserError(f"{path}:{number} is not valid JSON ({exc.msg}); fix or remove that line") from None
+            raise UserError(f"{where} is not valid JSON ({exc.msg}); fix or remove that line") from None
         if not isinstance(row, dict):
-            raise UserError(f"{path}:{number} is not a JSON object")
-        rows.append(row)
-    return rows
+            raise UserError(f"{where} is not a JSON object")
+        yield where, row
 
 
 def _read_hub(spec: TaskSpec) -> list[dict]:
@@ -81,16 +85,7 @@ def read_completions(path: Path, rows: list[dict]) -> dict[int, list[str]]:
         raise UserError(f"completions file {path} does not exist")
     ids = {str(row_id(r)): i for i, r in enumerate(rows) if row_id(r) is not None}
     out: dict[int, list[str]] = {}
-    for number, line in enumerate(path.read_text().splitlines(), start=1):
-        if not line.strip():
-            continue
-        where = f"{path}:{number}"
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise UserError(f"{where} is not valid JSON ({exc.msg})") from None
-        if not isinstance(row, dict):
-            raise UserError(f"{where} is not a JSON object")
+    for where, row in _json_lines(path):
         if "index" in row:
             position = row["index"]
             if not isinstance(position, int) or not 0 <= position < len(rows):

@@ -14,10 +14,7 @@ import hashlib
 import json
 import re
 
-import numpy as np
-from lighteval.metrics.metrics_sample import PassAtK
-from lighteval.metrics.utils.metric_utils import SampleLevelMetric
-from lighteval.tasks.requests import Doc, SamplingMethod
+from lighteval.tasks.requests import Doc
 
 SUBSET_SIZE = 300
 ANSWER = re.compile(r"answer\s*:\s*(.+)", re.IGNORECASE)
@@ -61,13 +58,3 @@ def hle_score(doc: Doc, model_response) -> float:
         return float(math_verify.verify(math_verify.parse(gold["answer"]), math_verify.parse(pred)))
     except Exception:  # math-verify gives up on some inputs; that is a miss, not a crash
         return 0.0
-
-
-def hle_metric() -> SampleLevelMetric:
-    return SampleLevelMetric(
-        metric_name="hle_pass@k:k=1&n=1",
-        sample_level_fn=PassAtK(k=1, n=1, sample_scoring_function=hle_score),
-        category=SamplingMethod.GENERATIVE,
-        corpus_level_fn=np.mean,
-        higher_is_better=True,
-    )

@@ -16,9 +16,12 @@ import hashlib
 import random
 from dataclasses import dataclass, field
 
+import numpy as np
 from lighteval.metrics.metrics import Metrics
+from lighteval.metrics.metrics_sample import PassAtK
+from lighteval.metrics.utils.metric_utils import SampleLevelMetric
 from lighteval.tasks.lighteval_task import LightevalTaskConfig
-from lighteval.tasks.requests import Doc
+from lighteval.tasks.requests import Doc, SamplingMethod
 from lighteval.tasks.tasks.aime import MATH_PROMPT_TEMPLATE
 from lighteval.tasks.tasks.math_500 import MATH_QUERY_TEMPLATE
 
@@ -142,7 +145,7 @@ SPECS: dict[str, TaskSpec] = {
     ]
 }
 
-SYNTHETIC_TEST = dict(n=200, seed=0, num_steps=(1, 3), max_value=9)
+SYNTHETIC_TEST = dict(n=200, seed=0, num_steps=(1, 2), max_value=9)  # the distribution the demo trains on
 
 GROUPS: dict[str, list[str]] = {
     "paper": ["aime24", "aime25", "aime26", "amc23", "math500", "olympiadbench", "gpqa", "hle", "mmlu_redux", "humaneval"],
@@ -151,17 +154,28 @@ GROUPS: dict[str, list[str]] = {
 }
 
 
+def scored_metric(prefix: str, score) -> SampleLevelMetric:
+    """One sample per problem: LightEval's pass@k around a per-completion scorer `score(doc, response)`."""
+    return SampleLevelMetric(
+        metric_name=f"{prefix}_pass@k:k=1&n=1",
+        sample_level_fn=PassAtK(k=1, n=1, sample_scoring_function=score),
+        category=SamplingMethod.GENERATIVE,
+        corpus_level_fn=np.mean,
+        higher_is_better=True,
+    )
+
+
 def lighteval_metrics(spec: TaskSpec, samples: int | None = None) -> list:
     """LightEval metric objects for `samples` per problem (default: the paper's count)."""
     n = samples or spec.samples
     if spec.kind == "code":
-        from melt_eval.evaluation.code import humaneval_metric
+        from melt_eval.evaluation.code import humaneval_score
 
-        return [humaneval_metric()]
+        return [scored_metric("humaneval", humaneval_score)]
     if spec.kind == "judge-free":
-        from melt_eval.evaluation.hle import hle_metric
+        from melt_eval.evaluation.hle import hle_score
 
-        return [hle_metric()]
+        return [scored_metric("hle", hle_score)]
     if spec.kind == "choice":
         return [Metrics.gpqa_instruct_pass_at_k(sample_params={"k": 1, "n": 1})]
     if spec.samples == 1:  # one-sample tasks report accuracy of the first sample
