@@ -6,8 +6,17 @@ import json
 from pathlib import Path
 
 from melt_eval.errors import UserError
-from melt_eval.evaluation.tasks import SYNTHETIC_TEST, TaskSpec, prompt_function, row_id
+from melt_eval.evaluation.tasks import MMLU_REDUX_SUBJECTS, SYNTHETIC_TEST, TaskSpec, prompt_function, row_id
 from melt_eval.training import synthetic
+
+
+SCHEMA_MATH = '{"problem", "answer"}'
+LOCAL_SCHEMA = {  # what a --data-dir file needs per task kind (the Hub dataset's own fields also work)
+    "math": SCHEMA_MATH,
+    "choice": '{"question", "choices", "answer"} (MMLU-Redux) or GPQA\'s "Question", "Correct Answer", "Incorrect Answer 1-3"',
+    "code": '{"task_id", "prompt", "test", "entry_point"}',
+    "judge-free": '{"id", "question", "answer", "answer_type", "image"}',
+}
 
 
 def load_rows(spec: TaskSpec, data_dir: str | Path | None, max_problems: int | None) -> list[dict]:
@@ -29,8 +38,8 @@ def load_rows(spec: TaskSpec, data_dir: str | Path | None, max_problems: int | N
         try:
             check(row, spec.name)
         except (KeyError, TypeError, ValueError) as exc:
-            raise UserError(f"{spec.name}: row {i} does not fit the task's schema ({exc}); "
-                            "use the Hub dataset's fields or {{\"problem\", \"answer\"}}") from None
+            raise UserError(f"{spec.name}: row {i} does not fit the task's schema ({type(exc).__name__}: {exc}); "
+                            f"use the Hub dataset's fields or {LOCAL_SCHEMA.get(spec.kind, SCHEMA_MATH)}") from None
     return rows
 
 
@@ -47,7 +56,8 @@ def _read_local(spec: TaskSpec, data_dir: Path) -> list[dict]:
         try:
             return pd.read_parquet(path).to_dict("records")
         except Exception as exc:  # pyarrow raises several types for a bad file
-            raise UserError(f"{path} is not a readable parquet file ({exc})") from None
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise UserError(f"{path} is not a readable parquet file ({first})") from None
     return [row for _, row in _json_lines(path)]
 
 
@@ -69,14 +79,20 @@ def _json_lines(path: Path):
 def _read_hub(spec: TaskSpec) -> list[dict]:
     from datasets import load_dataset
 
-    try:
-        ds = load_dataset(spec.hf_repo, spec.hf_subset if spec.hf_subset != "default" else None, split=spec.split)
-    except Exception as exc:  # offline, gated or renamed datasets all land here
-        raise UserError(
-            f"cannot load {spec.name} from the Hub ({spec.hf_repo}: {type(exc).__name__}); "
-            f"pass --data-dir DIR with {spec.name}.jsonl ({{\"problem\", \"answer\"}} per line) to run offline"
-        ) from None
-    return [dict(r) for r in ds]
+    # MMLU-Redux is one Hub config per subject; the task is all of them, subject recorded on each row
+    subsets = MMLU_REDUX_SUBJECTS if spec.hf_subset == "*" else [spec.hf_subset]
+    rows = []
+    for subset in subsets:
+        try:
+            ds = load_dataset(spec.hf_repo, subset if subset != "default" else None, split=spec.split)
+        except Exception as exc:  # offline, gated or renamed datasets all land here
+            raise UserError(
+                f"cannot load {spec.name} from the Hub ({spec.hf_repo}: {type(exc).__name__}); "
+                f"pass --data-dir DIR with {spec.name}.jsonl ({LOCAL_SCHEMA.get(spec.kind, SCHEMA_MATH)} per line) "
+                "to run offline"
+            ) from None
+        rows += [dict(r, subject=subset) if spec.hf_subset == "*" else dict(r) for r in ds]
+    return rows
 
 
 def read_completions(path: Path, rows: list[dict]) -> dict[int, list[str]]:
@@ -97,8 +113,13 @@ def read_completions(path: Path, rows: list[dict]) -> dict[int, list[str]]:
         else:
             raise UserError(f"{where} names no problem: give \"index\" (position in the split) or \"id\"")
         completions = row.get("completions")
+        if isinstance(completions, list):  # a run's details.jsonl holds {"text", "extracted", "correct"} per sample
+            completions = [c["text"] if isinstance(c, dict) and isinstance(c.get("text"), str) else c for c in completions]
         if not isinstance(completions, list) or not completions or not all(isinstance(c, str) for c in completions):
             raise UserError(f"{where}: \"completions\" must be a non-empty list of strings")
+        if out and len(completions) != len(next(iter(out.values()))):
+            raise UserError(f"{where}: {len(completions)} completions where earlier lines have "
+                            f"{len(next(iter(out.values())))}; give every problem the same number")
         if position in out:
             raise UserError(f"{where}: problem {position} appears twice")
         out[position] = completions

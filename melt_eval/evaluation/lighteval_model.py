@@ -55,13 +55,23 @@ class CompletionStore:
     def __init__(self, path: Path) -> None:
         self.path = path
         self.done: dict[str, dict] = {}
-        if path.exists():
-            for line in path.read_text().splitlines():
-                try:
-                    row = json.loads(line)
-                except json.JSONDecodeError:
-                    break  # a line cut by a kill: everything after it is regenerated
-                self.done[row["key"]] = row
+        if not path.exists():
+            return
+        text = path.read_text()
+        good = 0  # bytes of whole, readable lines
+        for line in text.splitlines(keepends=True):
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                break
+            if not line.endswith("\n"):
+                break
+            self.done[row["key"]] = row
+            good += len(line.encode())
+        if good < len(text.encode()):
+            # a line cut by a kill: drop it (and anything after), so that new lines follow whole ones
+            with open(path, "r+b") as f:
+                f.truncate(good)
 
     def add(self, key: str, completions: list[str], tokens: int) -> None:
         row = {"key": key, "completions": completions, "tokens": tokens}
@@ -139,13 +149,10 @@ class NativeBackend:
 class VllmBackend:
     """vLLM through the harness's generator (the vLLM plugin serves LoopLM and MELT)."""
 
-    def __init__(self, model_path: str, tokenizer, *, loops=None, kv_sharing=None, prefill_chunk=None, max_model_len=None) -> None:
-        try:
-            from melt_eval.generation.vllm_backend import VllmGenerator
-        except ImportError as exc:
-            raise UserError(f"--backend vllm is unavailable here ({exc}); install 'melt-eval[vllm]' or use --backend native") from None
+    def __init__(self, generator_cls, model_path: str, tokenizer, *, loops=None, kv_sharing=None, prefill_chunk=None,
+                 max_model_len=None) -> None:
         self.tokenizer = tokenizer
-        self.generator = VllmGenerator(model_path, loops=loops, kv_sharing=kv_sharing,
+        self.generator = generator_cls(model_path, loops=loops, kv_sharing=kv_sharing,
                                        prefill_chunk_size=prefill_chunk, max_model_len=max_model_len)
         self.peak_cache_bytes = 0
 

@@ -167,12 +167,24 @@ def versions() -> dict:
     return out
 
 
-def _config_hash(model_dir: Path | None, model) -> str:
-    text = model.config.to_json_string(use_diff=False) if hasattr(model.config, "to_json_string") else str(model_dir)
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
+def _config_hash(config) -> str:
+    return hashlib.sha256(config.to_json_string(use_diff=False).encode()).hexdigest()[:16]
 
 
-def read_finished(task_dir: Path) -> dict | None:
+IDENTITY = ("task", "model_path", "config_hash", "settings")  # what a run computes; the display name is a label
+
+
+def _differences(a: dict, b: dict) -> list[str]:
+    keys = [k for k in IDENTITY if a.get(k) != b.get(k)]
+    if "settings" in keys:  # name the settings themselves
+        sa, sb = a.get("settings") or {}, b.get("settings") or {}
+        keys.remove("settings")
+        keys += sorted(k for k in set(sa) | set(sb) if sa.get(k) != sb.get(k))
+    return keys
+
+
+def read_finished(task_dir: Path, identity: dict | None = None) -> dict | None:
+    """The finished result in `task_dir`, if any; one computed with other settings is a UserError."""
     path = task_dir / "results.json"
     if not path.exists():
         return None
@@ -180,7 +192,14 @@ def read_finished(task_dir: Path) -> dict | None:
         result = json.loads(path.read_text())
     except json.JSONDecodeError:
         return None
-    return result if result.get("finished") else None
+    if not result.get("finished"):
+        return None
+    if identity is not None and (changed := _differences(result, identity)):
+        raise UserError(
+            f"{task_dir} holds a finished run with other settings ({', '.join(changed)} differ); "
+            "pass --force to replace it or --output to write elsewhere"
+        )
+    return result
 
 
 def _claim(task_dir: Path, identity: dict, force: bool) -> None:
@@ -189,9 +208,11 @@ def _claim(task_dir: Path, identity: dict, force: bool) -> None:
     if force and task_dir.exists():
         shutil.rmtree(task_dir)
     if run_file.exists():
-        previous = json.loads(run_file.read_text())
-        if previous != identity:
-            changed = sorted(k for k in set(previous) | set(identity) if previous.get(k) != identity.get(k))
+        try:
+            previous = json.loads(run_file.read_text())
+        except json.JSONDecodeError:
+            previous = {}
+        if changed := _differences(previous, identity):
             raise UserError(
                 f"{task_dir} holds a run with other settings ({', '.join(changed)} differ); "
                 "pass --force to replace it or --output to write elsewhere"
@@ -211,28 +232,70 @@ class LoadedModel:
         import torch
 
         from melt_eval.modeling import LoopLMForCausalLM, load_model
+        from melt_eval.modeling.loading import checkpoint_model_type, load_tokenizer
         from melt_eval.registry import MODELS, resolve_model_dir
 
         if backend not in BACKENDS:
             raise UserError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
+        generator_cls = _vllm_generator() if backend == "vllm" else None  # fail before any download or load
         self.model_dir = resolve_model_dir(model)
         self.display = model if model in MODELS else self.model_dir.name
+        looped = checkpoint_model_type(self.model_dir) in ("ouro", "melt")
+        if loops is not None and not looped:
+            raise UserError("--loops applies to looped models (Ouro, MELT) only")
+        if loops is not None and loops < 1:
+            raise UserError("--loops must be at least 1")
+        if not looped and (kv_sharing or share_prompt):
+            raise UserError("--kv-sharing and --share-prompt apply to LoopLM (Ouro) models only")
+        if backend == "vllm":
+            if share_prompt:
+                raise UserError("--share-prompt is a native-engine option; drop it or use --backend native")
+            from transformers import AutoConfig
+
+            # vLLM loads the weights itself: a second copy here would take the memory its KV cache needs
+            self.model = None
+            self.tokenizer = load_tokenizer(self.model_dir)
+            config = AutoConfig.from_pretrained(str(self.model_dir))
+            if loops is not None:
+                config.total_ut_steps = loops
+            self.loops = config.total_ut_steps if looped else None
+            self.config_hash = _config_hash(config)
+            self.backend = VllmBackend(generator_cls, str(self.model_dir), self.tokenizer, loops=loops,
+                                       kv_sharing=kv_sharing, prefill_chunk=prefill_chunk)
+            return
         device = "cuda" if torch.cuda.is_available() else "cpu"
         dtype = torch.bfloat16 if device == "cuda" else torch.float32
         self.model, self.tokenizer = load_model(str(self.model_dir), dtype=dtype, device=device)
-        looped = isinstance(self.model, LoopLMForCausalLM)
         if loops is not None:
-            if not looped:
-                raise UserError("--loops applies to looped models (Ouro, MELT) only")
             self.model.config.total_ut_steps = loops
-        self.loops = self.model.config.total_ut_steps if looped else None
-        if backend == "vllm":
-            self.backend = VllmBackend(str(self.model_dir), self.tokenizer, loops=loops, kv_sharing=kv_sharing,
-                                       prefill_chunk=prefill_chunk)
-        else:
-            self.backend = NativeBackend(self.model, self.tokenizer, kv_sharing=kv_sharing, share_prompt=share_prompt,
-                                         prefill_chunk=prefill_chunk)
-        self.config_hash = _config_hash(self.model_dir, self.model)
+        self.loops = self.model.config.total_ut_steps if isinstance(self.model, LoopLMForCausalLM) else None
+        self.backend = NativeBackend(self.model, self.tokenizer, kv_sharing=kv_sharing, share_prompt=share_prompt,
+                                     prefill_chunk=prefill_chunk)
+        self.config_hash = _config_hash(self.model.config)
+
+
+def _vllm_generator():
+    try:
+        from melt_eval.generation.vllm_backend import VllmGenerator
+    except ImportError as exc:
+        raise UserError(f"--backend vllm is unavailable here ({exc}); install vLLM (pip install 'melt-eval[vllm]') "
+                        "or use --backend native") from None
+    return VllmGenerator
+
+
+def _check_options(samples, temperature, top_p, max_new_tokens, max_problems, kv_sharing, prefill_chunk) -> None:
+    if samples is not None and samples < 1 or max_problems is not None and max_problems < 1:
+        raise UserError("--samples and --max-problems must be at least 1")
+    if max_new_tokens is not None and max_new_tokens < 1:
+        raise UserError("--max-new-tokens must be at least 1")
+    if temperature < 0:
+        raise UserError(f"--temperature must be 0 (greedy) or more, got {temperature}")
+    if not 0 < top_p <= 1:
+        raise UserError(f"--top-p must be in (0, 1], got {top_p}")
+    if prefill_chunk < 1:
+        raise UserError(f"--prefill-chunk must be at least 1, got {prefill_chunk}")
+    if kv_sharing not in (None, "first", "last"):
+        raise UserError(f"--kv-sharing must be 'first' or 'last', got {kv_sharing!r}")
 
 
 def run_tasks(
@@ -259,10 +322,7 @@ def run_tasks(
 ) -> list[dict]:
     """Evaluate `model` on `tasks` with the paper's protocol; see docs/CONTRACTS.md."""
     names = expand(tasks)
-    if samples is not None and samples < 1 or max_problems is not None and max_problems < 1:
-        raise UserError("--samples and --max-problems must be at least 1")
-    if kv_sharing not in (None, "first", "last"):
-        raise UserError(f"--kv-sharing must be 'first' or 'last', got {kv_sharing!r}")
+    _check_options(samples, temperature, top_p, max_new_tokens, max_problems, kv_sharing, prefill_chunk)
     # every task's data first: a missing file fails before any model is loaded
     rows = {task: data.load_rows(SPECS[task], data_dir, max_problems) for task in names}
     loaded = None
@@ -278,9 +338,6 @@ def run_tasks(
             loaded = LoadedModel(model, backend, loops, kv_sharing, share_prompt, prefill_chunk)
             loaded.display = name or loaded.display
         task_dir = (task_root or Path(output) / loaded.display) / task
-        if not force and (done := read_finished(task_dir)):
-            out.append(done)
-            continue
         run_settings = {
             "samples": settings.samples, "temperature": temperature, "top_p": top_p,
             "max_new_tokens": settings.max_new_tokens, "seed": seed, "backend": backend, "loops": loaded.loops,
@@ -289,6 +346,9 @@ def run_tasks(
         }
         identity = {"model": loaded.display, "task": task, "model_path": str(loaded.model_dir),
                     "config_hash": loaded.config_hash, "settings": run_settings}
+        if not force and (done := read_finished(task_dir, identity)):
+            out.append(done)
+            continue
         _claim(task_dir, identity, force)
         out.append(_run_one(spec, rows[task], loaded, settings, identity, task_dir, progress))
     return out

@@ -23,7 +23,10 @@ from lighteval.metrics.utils.metric_utils import SampleLevelMetric
 from lighteval.tasks.lighteval_task import LightevalTaskConfig
 from lighteval.tasks.requests import Doc, SamplingMethod
 from lighteval.tasks.tasks.aime import MATH_PROMPT_TEMPLATE
+from lighteval.tasks.tasks.gpqa import gpqa_instruct_prompt
 from lighteval.tasks.tasks.math_500 import MATH_QUERY_TEMPLATE
+from lighteval.tasks.tasks.mmlu_redux import _MMLU_REDUX_2_SUBSETS as MMLU_REDUX_SUBJECTS
+from lighteval.tasks.tasks.mmlu_redux import mmlu_redux_2_prompt
 
 from melt_eval.training import synthetic
 
@@ -82,34 +85,28 @@ def synthetic_prompt(line: dict, task_name: str | None = None) -> Doc:
     return Doc(task_name=task_name, query=synthetic.user_prompt(line["problem"]), choices=[line["answer"]], gold_index=0)
 
 
-LETTERS = "ABCD"
-
-
-def _shuffled_options(line: dict) -> tuple[list[str], int]:
-    """GPQA's four options in an order fixed by the question text (the same on every run)."""
-    options = [line["Correct Answer"], line["Incorrect Answer 1"], line["Incorrect Answer 2"], line["Incorrect Answer 3"]]
-    seed = int.from_bytes(hashlib.sha256(line["Question"].encode()).digest()[:8], "big")
-    order = list(range(4))
-    random.Random(seed).shuffle(order)
-    return [options[i].strip() for i in order], order.index(0)
-
-
-def _choice_doc(task_name, question: str, options: list[str], gold: int) -> Doc:
-    body = "\n".join(f"{LETTERS[i]}) {o}" for i, o in enumerate(options))
-    query = (
-        "Answer the following multiple choice question. The last line of your response should be of the "
-        f"following format: 'Answer: $LETTER' (without quotes) where LETTER is one of ABCD.\n\n{question}\n\n{body}"
-    )
-    return Doc(task_name=task_name, query=query, choices=list(LETTERS[: len(options)]), gold_index=gold)
+def _question_seed(text: str) -> int:
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "big")
 
 
 def gpqa_prompt(line: dict, task_name: str | None = None) -> Doc:
-    options, gold = _shuffled_options(line)
-    return _choice_doc(task_name, line["Question"], options, gold)
+    """LightEval's GPQA instruct prompt; it places the gold option with `random`, which is seeded here by
+    the question text, so every run (and every model) sees the same option order."""
+    state = random.getstate()
+    random.seed(_question_seed(line["Question"]))
+    try:
+        return gpqa_instruct_prompt(line, task_name)
+    finally:
+        random.setstate(state)
 
 
 def mmlu_redux_prompt(line: dict, task_name: str | None = None) -> Doc:
-    return _choice_doc(task_name, line["question"], list(line["choices"]), int(line["answer"]))
+    """LightEval's MMLU-Redux 2.0 prompt for the row's subject (the Hub loader records it; a local file
+    may carry `subject`), scored with LightEval's letter extraction as its generative variant is."""
+    topic = str(line.get("subject") or "general knowledge")
+    if not isinstance(line["choices"], (list, tuple)) or len(line["choices"]) < 2:
+        raise ValueError("choices must be a list of options")
+    return mmlu_redux_2_prompt(topic)(dict(line), task_name)
 
 
 def _hle_subset(rows: list[dict]) -> list[dict]:
@@ -134,7 +131,8 @@ SPECS: dict[str, TaskSpec] = {
                  note="text-only English competition math (674 rows; the paper reports 581)"),
         TaskSpec("gpqa", "Idavidrein/gpqa", "gpqa_main", "train", 1, "choice", num_problems=448,
                  note="main set, options shuffled deterministically per question"),
-        TaskSpec("mmlu_redux", "edinburgh-dawg/mmlu-redux-2.0", "all", "test", 1, "choice"),
+        TaskSpec("mmlu_redux", "edinburgh-dawg/mmlu-redux-2.0", "*", "test", 1, "choice", num_problems=5700,
+                 note="all 57 subjects (100 each), LightEval's prompt per subject, letter extraction"),
         TaskSpec("hle", "cais/hle", "default", "test", 1, "judge-free", num_problems=300,
                  note="fixed text-only subset: first 300 by sha256(id); letter / math-verify scoring, no paid judge",
                  select=_hle_subset),
@@ -154,11 +152,11 @@ GROUPS: dict[str, list[str]] = {
 }
 
 
-def scored_metric(prefix: str, score) -> SampleLevelMetric:
-    """One sample per problem: LightEval's pass@k around a per-completion scorer `score(doc, response)`."""
+def scored_metric(prefix: str, score, n: int = 1) -> SampleLevelMetric:
+    """Accuracy: LightEval's pass@1 over `n` samples around a per-completion scorer `score(doc, response)`."""
     return SampleLevelMetric(
-        metric_name=f"{prefix}_pass@k:k=1&n=1",
-        sample_level_fn=PassAtK(k=1, n=1, sample_scoring_function=score),
+        metric_name=f"{prefix}_pass@k:k=1&n={n}",
+        sample_level_fn=PassAtK(k=1, n=n, sample_scoring_function=score),
         category=SamplingMethod.GENERATIVE,
         corpus_level_fn=np.mean,
         higher_is_better=True,
@@ -171,15 +169,17 @@ def lighteval_metrics(spec: TaskSpec, samples: int | None = None) -> list:
     if spec.kind == "code":
         from melt_eval.evaluation.code import humaneval_score
 
-        return [scored_metric("humaneval", humaneval_score)]
+        return [scored_metric("humaneval", humaneval_score, n)]
     if spec.kind == "judge-free":
         from melt_eval.evaluation.hle import hle_score
 
-        return [scored_metric("hle", hle_score)]
-    if spec.kind == "choice":
-        return [Metrics.gpqa_instruct_pass_at_k(sample_params={"k": 1, "n": 1})]
-    if spec.samples == 1:  # one-sample tasks report accuracy of the first sample
-        return [Metrics.pass_at_k_math(sample_params={"k": 1, "n": 1})]
+        return [scored_metric("hle", hle_score, n)]
+    if spec.name == "gpqa":
+        return [Metrics.gpqa_instruct_pass_at_k(sample_params={"k": 1, "n": n})]
+    if spec.name == "mmlu_redux":
+        return [Metrics.pass_at_k_letters(sample_params={"k": 1, "n": n})]
+    if spec.samples == 1:  # one-sample tasks: accuracy (the mean over samples where more are asked for)
+        return [Metrics.pass_at_k_math(sample_params={"k": 1, "n": n})]
     ks = [k for k in (1, 10) if k <= n]
     return [Metrics.pass_at_k_math(sample_params={"k": k, "n": n}) for k in ks]
 
