@@ -12,8 +12,11 @@ from melt_eval.errors import UserError
 
 
 def write_report(results: Path, output: Path, *, latex: bool = True, markdown: bool = True, paper: bool = False,
-                 plots: bool = True, plot_task: str | None = None) -> dict:
-    """Build every table (and the figures) from `results`; returns {"tables", "files", "source"}."""
+                 plots: bool = True, plot_task: str | None = None, plots_dir: Path | None = None) -> dict:
+    """Build every table (and the figures) from `results`; returns {"tables", "files", "source", "notes"}.
+
+    Files: OUTPUT/report.md, OUTPUT/report.tex, and the figures in `plots_dir` (default OUTPUT/plots).
+    """
     from melt_eval.report.plots import loops_figure, memory_vs_accuracy
     from melt_eval.report.results import load_results
     from melt_eval.report.tables import build_tables, render_latex_report, render_markdown_report
@@ -29,8 +32,9 @@ def write_report(results: Path, output: Path, *, latex: bool = True, markdown: b
     if plots:
         task = plot_task or ("math500" if any(t == "math500" for _, t in rs.main) or rs.empty else
                              next((t for _, t in rs.main), "math500"))
-        files += memory_vs_accuracy(rs, output / "plots", task=task)
-        files += loops_figure(rs, output / "plots")
+        plots_dir = plots_dir or output / "plots"
+        files += memory_vs_accuracy(rs, plots_dir, task=task)
+        files += loops_figure(rs, plots_dir)
     notes = [f"unfinished run skipped: {p}" for p in rs.unfinished] + [f"unreadable: {u}" for u in rs.unreadable]
     return {"tables": tables, "files": files, "source": "paper" if rs.empty else "results", "notes": notes}
 
@@ -43,14 +47,44 @@ def _write(path: Path, text: str) -> Path:
 
 
 def print_tables(tables) -> None:
+    """Each table as a rich table: bold best, underlined second, the paper's figure dimmed beside ours."""
     from rich.console import Console
-    from rich.markdown import Markdown
+    from rich.table import Table as RichTable
+    from rich.text import Text
 
-    from melt_eval.report.tables import render_markdown
+    from melt_eval.report.tables import NA, heading, paper_beside
 
     console = Console()
     for t in tables:
-        console.print(Markdown(render_markdown(t)))
+        rt = RichTable(title=heading(t), title_style="bold", show_lines=False)
+        for h in t.stub_heads:
+            rt.add_column(h)
+        k = 0
+        for g, span in t.groups or [("", len(t.heads))]:
+            for h in t.heads[k : k + span]:
+                rt.add_column(f"{g}\n{h}" if g and span > 1 else (g or h), justify="right")
+            k += span
+        for r in t.rows:
+            if r.rule_before:
+                rt.add_section()
+            cells = []
+            for c in r.cells:
+                shown = c.shown()
+                text = Text(NA if shown is None else shown, style="dim" if shown is None else
+                            "bold" if c.bold else "underline" if c.underline else "")
+                if shown is not None and c.stderr is not None:
+                    text.append(f" ±{c.stderr:.{c.digits}f}", style="dim")
+                if (beside := paper_beside(c)) is not None:
+                    text.append(f" ({beside})", style="cyan")
+                cells.append(text)
+            stub = [Text(s, style="bold" if r.shaded else "") for s in r.stub]
+            rt.add_row(*stub, *cells, style="on grey15" if r.shaded else None)
+        console.print(rt)
+        if t.compare:
+            console.print("Each cell: ours (paper, Δ = ours − paper).", style="cyan")
+        for n in t.notes:
+            console.print(f"- {n}", soft_wrap=True)
+        console.print()
 
 
 def register(app: typer.Typer) -> None:
@@ -60,15 +94,18 @@ def register(app: typer.Typer) -> None:
         markdown: bool = typer.Option(False, "--markdown", help="Write report.md."),
         results: Path = typer.Option(Path("results"), "--results", help="Results root written by run/ablate."),
         paper: bool = typer.Option(False, "--paper", help="Print the paper's figure and the difference beside each value."),
-        output: Optional[Path] = typer.Option(None, "--output", help="Where report.* and plots/ go (default RESULTS/report)."),
+        output: Optional[Path] = typer.Option(None, "--output", help="Where report.md/.tex go (default RESULTS/report)."),
         plots: bool = typer.Option(True, "--plots/--no-plots", help="Write the memory-vs-accuracy and loops figures."),
+        plots_dir: Optional[Path] = typer.Option(None, "--plots-dir",
+                                                 help="Where the figures go (default plots/, or OUTPUT/plots with --output)."),
         plot_task: Optional[str] = typer.Option(None, "--plot-task", help="Task on the figures' accuracy axis (default math500)."),
     ) -> None:
         """The paper's tables and figures from whatever results exist (the paper's own with none)."""
         if not latex and not markdown:
             latex = markdown = True  # neither asked for: write both
         out = write_report(results, output or results / "report", latex=latex, markdown=markdown, paper=paper,
-                           plots=plots, plot_task=plot_task)
+                           plots=plots, plot_task=plot_task,
+                           plots_dir=plots_dir or (None if output else Path("plots")))
         print_tables(out["tables"])
         if out["source"] == "paper":
             typer.echo(f"No results under {results}: these are the paper's own tables.")

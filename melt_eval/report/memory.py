@@ -79,6 +79,35 @@ def kv_bytes_per_token(spec: ModelSpec, loops: int | None = None) -> int:
     return 2 * loops * spec.num_layers * spec.num_kv_heads * spec.head_dim * 2
 
 
+def kv_bytes_per_token_at(model: str, model_path: str | None, loops: int | None, kv_sharing: str | None = None) -> int | None:
+    """bf16 KV bytes per generated token of a run at `loops` loops: from the registry entry, else from the
+    checkpoint's config.json ("ouro": one entry per loop, "melt": one); None where neither describes it.
+    With KV sharing an Ouro keeps one entry per generated token (prompt tokens aside)."""
+    import json
+    from pathlib import Path
+
+    if kv_sharing:
+        loops = 1
+    if model in MODELS and not MODELS[model].tiny:
+        spec = MODELS[model]
+        try:
+            return kv_bytes_per_token(spec, loops)
+        except UserError:
+            return None
+    cfg_path = Path(model_path) / "config.json" if model_path else None
+    if cfg_path is None or not cfg_path.is_file():
+        return None
+    try:
+        cfg = json.loads(cfg_path.read_text(encoding="utf-8"))
+        layers, heads = int(cfg["num_hidden_layers"]), int(cfg["num_attention_heads"])
+        kv_heads = int(cfg.get("num_key_value_heads") or heads)
+        head_dim = int(cfg.get("head_dim") or int(cfg["hidden_size"]) // heads)
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    entries = (loops or int(cfg.get("total_ut_steps", 1))) if cfg.get("model_type") == "ouro" else 1
+    return 2 * entries * layers * kv_heads * head_dim * BYTES_PER_PARAM
+
+
 def _paper_row(spec: ModelSpec) -> PaperMemory | None:
     row = paper_memory(spec.display)
     if row is None:

@@ -1,25 +1,32 @@
-"""The paper's figure and the loops figure (matplotlib, no display needed).
+"""The paper's figure and the loops figure (matplotlib, Agg backend: no display needed).
 
-memory_vs_accuracy: x = total memory for a 32k-token generation (model + KV cache, GB, bf16, the
-paper's arithmetic), y = MATH-500 accuracy; the paper's points hollow, reproduced points filled,
-MELT in colour. For a task outside the paper (the demo's `synthetic`) x is the KV cache the engine
-measured (`peak_cache_bytes` of the run), since tiny models have no paper figures.
+memory_vs_accuracy: x = total memory for a 32k-token generation (model + KV cache, GB, bf16), y = MATH-500
+accuracy. Paper points are hollow and sit at the paper's own "Total for 32k" figure; reproduced points
+are filled and sit at our exact total for 32,768 tokens; a thin line joins a model's two points and the
+model is labelled once. MELT is drawn in red. For a task outside the paper (the demo's `synthetic`)
+there are no paper points and x is the KV cache the engine measured in the run (`peak_cache_bytes`).
 
-loops: accuracy and KV-cache memory against the number of loops T used at inference (`run --loops`),
-one line per model; memory is the measured peak cache of each run.
+loops: accuracy and KV memory against the number of loops T used at inference (`run --loops`).
+Runs are grouped by checkpoint (results.json `model_path`, else `model`) and KV-sharing setting, so
+`run --loops 2 --name melt-T2` and the T = 4 run of the same checkpoint make one line. The memory
+panel is the bf16 KV cache of a 32,768-token generation at that T (from the registry or the
+checkpoint's config.json: MELT flat, Ouro linear in T); a third panel shows the peak cache the runs
+measured when they recorded one.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
+from dataclasses import dataclass
 from pathlib import Path
 
 from melt_eval.registry import MODELS
-from melt_eval.report.memory import GB, MB, memory_row
+from melt_eval.report.memory import GB, MB, kv_bytes_per_token_at, memory_row
 from melt_eval.report.paper import MAIN_MODELS, paper_memory, paper_results
 from melt_eval.report.results import ResultSet
 
 MELT_COLOUR, OTHER_COLOUR = "#d62728", "#1f77b4"
+TOKENS_32K = 32_768
 
 
 def _pyplot():
@@ -35,6 +42,10 @@ def _is_melt(name: str) -> bool:
     return "melt" in name.lower()
 
 
+def _display(model: str) -> str:
+    return MODELS[model].display if model in MODELS else model
+
+
 def _first_metric(result) -> float | None:
     for name in ("accuracy", "pass@1"):
         got = result.metric(name)
@@ -43,26 +54,31 @@ def _first_metric(result) -> float | None:
     return None
 
 
-def memory_vs_accuracy(rs: ResultSet, out_dir: Path, task: str = "math500", paper: bool = True) -> list[Path]:
-    plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(6.4, 4.4))
+# ------------------------------------------------------------------ memory vs accuracy
+
+
+@dataclass
+class Point:
+    label: str
+    x: float
+    y: float
+    source: str  # "paper" or "reproduced"
+    melt: bool
+
+
+def memory_accuracy_points(rs: ResultSet, task: str = "math500", paper: bool = True) -> list[Point]:
+    """What the figure draws: the paper's points (MATH-500 only) and one per reproduced model result."""
+    points: list[Point] = []
     measured_axis = task != "math500"
-    plotted = 0
     if paper and not measured_axis:
         scores = paper_results()["main_comparison"]["scores"]
         for name, key in MAIN_MODELS.items():
             mem = paper_memory(key)
             acc = scores.get(key, {}).get("math500", {}).get("accuracy")
-            if mem is None or acc is None:
-                continue
-            colour = MELT_COLOUR if _is_melt(name) else OTHER_COLOUR
-            ax.scatter(mem["total_gb_32k"], acc, s=70, facecolors="none", edgecolors=colour, linewidths=1.5)
-            ax.annotate(f"{key} (paper)", (mem["total_gb_32k"], acc), textcoords="offset points", xytext=(5, 4), fontsize=7)
-            plotted += 1
+            if mem is not None and acc is not None:
+                points.append(Point(_display(name), mem["total_gb_32k"], acc, "paper", _is_melt(name)))
     for (model, t), result in sorted(rs.main.items()):
-        if t != task:
-            continue
-        acc = _first_metric(result)
+        acc = _first_metric(result) if t == task else None
         if acc is None:
             continue
         if measured_axis:
@@ -71,55 +87,143 @@ def memory_vs_accuracy(rs: ResultSet, out_dir: Path, task: str = "math500", pape
             x = result.raw["peak_cache_bytes"] / MB
         else:
             if model not in MODELS or not MODELS[model].params:
-                continue
-            x = memory_row(model, contexts=(32_768,)).context(32_768).total_bytes / GB
-        colour = MELT_COLOUR if _is_melt(model) else OTHER_COLOUR
-        ax.scatter(x, acc, s=90 if _is_melt(model) else 60, color=colour, zorder=3)
-        label = MODELS[model].display if model in MODELS else model
-        ax.annotate(label, (x, acc), textcoords="offset points", xytext=(5, -10), fontsize=8,
-                    fontweight="bold" if _is_melt(model) else "normal")
-        plotted += 1
-    ax.set_xlabel("measured KV cache of the run (MB)" if measured_axis else "total memory for a 32k-token generation (GB)")
-    ax.set_ylabel(f"{task} accuracy / pass@1 (%)")
-    ax.set_title("Memory vs accuracy" + ("" if measured_axis else " (hollow: paper, filled: reproduced)"))
+                continue  # no parameter count, no total memory
+            x = memory_row(model, contexts=(TOKENS_32K,)).context(TOKENS_32K).total_bytes / GB
+        points.append(Point(_display(model), x, acc, "reproduced", _is_melt(model)))
+    return points
+
+
+def memory_vs_accuracy(rs: ResultSet, out_dir: Path, task: str = "math500", paper: bool = True) -> list[Path]:
+    from matplotlib.lines import Line2D
+
+    plt = _pyplot()
+    points = memory_accuracy_points(rs, task, paper)
+    fig, ax = plt.subplots(figsize=(6.8, 4.6))
+    by_label: dict[str, dict[str, Point]] = defaultdict(dict)
+    for p in points:
+        by_label[p.label][p.source] = p
+    for label, pair in by_label.items():
+        melt = next(iter(pair.values())).melt
+        colour = MELT_COLOUR if melt else OTHER_COLOUR
+        if "paper" in pair and "reproduced" in pair:
+            a, b = pair["paper"], pair["reproduced"]
+            ax.plot([a.x, b.x], [a.y, b.y], color=colour, linewidth=0.8, alpha=0.5, zorder=1)
+        if "paper" in pair:
+            p = pair["paper"]
+            ax.scatter(p.x, p.y, s=90 if melt else 60, facecolors="none", edgecolors=colour, linewidths=1.6, zorder=2)
+        if "reproduced" in pair:
+            p = pair["reproduced"]
+            ax.scatter(p.x, p.y, s=110 if melt else 60, color=colour, marker="*" if melt else "o", zorder=3)
+        anchor = pair.get("reproduced") or pair["paper"]  # one label per model
+        ax.annotate(label, (anchor.x, anchor.y), textcoords="offset points", xytext=(7, -3), fontsize=8,
+                    color=colour if melt else "black", fontweight="bold" if melt else "normal")
+    measured_axis = task != "math500"
+    ax.set_xlabel("KV cache measured in the run (MB)" if measured_axis
+                  else "total memory for a 32k-token generation (GB, bf16)")
+    ax.set_ylabel(("MATH-500" if task == "math500" else task) + " accuracy / pass@1 (%)")
+    ax.set_title("Memory vs accuracy")
     ax.grid(alpha=0.3)
-    if not plotted:
+    if points:
+        xmax = max(p.x for p in points)
+        ax.set_xlim(left=0, right=xmax * 1.25)  # room for the labels right of the points
+        handles = []
+        if any(p.source == "paper" for p in points):
+            handles.append(Line2D([], [], marker="o", linestyle="", markerfacecolor="none", markeredgecolor="grey",
+                                  label="paper (its Total for 32k)"))
+        if any(p.source == "reproduced" for p in points):
+            handles.append(Line2D([], [], marker="o", linestyle="", color="grey",
+                                  label="reproduced" + ("" if measured_axis else " (exact, 32,768 tokens)")))
+        handles.append(Line2D([], [], marker="o", linestyle="", color=MELT_COLOUR, label="MELT"))
+        ax.legend(handles=handles, fontsize=7, loc="lower right")
+    else:
         ax.text(0.5, 0.5, f"no {task} results yet", transform=ax.transAxes, ha="center")
     return _save(fig, out_dir / "memory_vs_accuracy")
 
 
-def loops_figure(rs: ResultSet, out_dir: Path, task: str | None = None) -> list[Path]:
-    """Accuracy and measured KV memory vs inference loops T, from every finished result with settings.loops."""
-    plt = _pyplot()
-    points: dict[str, dict[int, tuple[float | None, float | None]]] = defaultdict(dict)
-    candidates = [r for r in rs.every if r.settings.get("loops")]
-    if task is None:  # the task with the most loop settings
-        counts = defaultdict(set)
-        for r in candidates:
-            counts[r.task].add(r.settings["loops"])
-        task = max(counts, key=lambda t: len(counts[t]), default="math500")
-    for r in candidates:
-        if r.task != task:
+# ------------------------------------------------------------------ loops
+
+
+@dataclass
+class LoopPoint:
+    loops: int
+    accuracy: float | None  # percent
+    kv_32k_gb: float | None  # analytic, bf16
+    measured_mb: float | None  # the run's peak cache
+
+
+def _group_key(r) -> tuple:
+    s = r.settings
+    return (r.raw.get("model_path") or r.model, s.get("kv_sharing"), bool(s.get("share_prompt")))
+
+
+def loops_task(rs: ResultSet) -> str | None:
+    """The task with runs at the most distinct loop counts."""
+    counts: dict[str, set] = defaultdict(set)
+    for r in rs.every:
+        if r.settings.get("loops"):
+            counts[r.task].add(int(r.settings["loops"]))
+    return max(counts, key=lambda t: (len(counts[t]), t == "math500"), default=None)
+
+
+def loops_points(rs: ResultSet, task: str | None = None) -> dict[str, list[LoopPoint]]:
+    """Per model (one line each), its points by T; only models run at two or more loop counts."""
+    task = task or loops_task(rs)
+    groups: dict[tuple, dict] = defaultdict(dict)
+    for r in rs.every:
+        if r.settings.get("loops") and r.task == task:
+            groups[_group_key(r)][int(r.settings["loops"])] = r
+    out = {}
+    for key, by_t in groups.items():
+        if len(by_t) < 2:
             continue
-        cache = r.raw.get("peak_cache_bytes")
-        points[r.model][int(r.settings["loops"])] = (_first_metric(r), None if not cache else cache / MB)
-    fig, (ax_acc, ax_mem) = plt.subplots(1, 2, figsize=(9, 3.6))
-    for model, by_t in sorted(points.items()):
-        ts = sorted(by_t)
-        colour = MELT_COLOUR if _is_melt(model) else OTHER_COLOUR
-        style = dict(marker="o", color=colour, linestyle="-" if _is_melt(model) else "--", label=model)
-        ax_acc.plot(ts, [by_t[t][0] for t in ts], **style)
-        ax_mem.plot(ts, [by_t[t][1] for t in ts], **style)
-    ax_acc.set_xlabel("loops T at inference")
-    ax_acc.set_ylabel(f"{task} accuracy / pass@1 (%)")
-    ax_mem.set_xlabel("loops T at inference")
-    ax_mem.set_ylabel("measured KV cache (MB)")
-    for ax in (ax_acc, ax_mem):
+        names = {r.model for r in by_t.values()}
+        label = min(names, key=len)  # "melt-1.6b" over "melt-1.6b-T2"
+        # A registry name anywhere in the group describes the checkpoint for all its runs.
+        arch = next((n for n in sorted(names) if n in MODELS), None)
+        line = []
+        for t in sorted(by_t):
+            r = by_t[t]
+            kv = kv_bytes_per_token_at(arch or r.model, r.raw.get("model_path"), t, r.settings.get("kv_sharing"))
+            cache = r.raw.get("peak_cache_bytes")
+            line.append(LoopPoint(t, _first_metric(r), None if kv is None else kv * TOKENS_32K / GB,
+                                  cache / MB if cache else None))
+        if key[1]:
+            label += f" (kv-sharing {key[1]})"
+        out[label] = line
+    return dict(sorted(out.items()))
+
+
+def loops_figure(rs: ResultSet, out_dir: Path, task: str | None = None) -> list[Path]:
+    plt = _pyplot()
+    task = task or loops_task(rs) or "math500"
+    points = loops_points(rs, task)
+    measured = any(p.measured_mb for ps in points.values() for p in ps)
+    fig, axes = plt.subplots(1, 3 if measured else 2, figsize=(13 if measured else 9, 3.8))
+    ax_acc, ax_kv = axes[0], axes[1]
+    for label, ps in points.items():
+        colour = MELT_COLOUR if _is_melt(label) else OTHER_COLOUR
+        style = dict(marker="o", color=colour, linestyle="-" if _is_melt(label) else "--", label=_display(label))
+        ts = [p.loops for p in ps]
+        ax_acc.plot(ts, [p.accuracy for p in ps], **style)
+        ax_kv.plot(ts, [p.kv_32k_gb for p in ps], **style)
+        if measured:
+            axes[2].plot(ts, [p.measured_mb for p in ps], **style)
+    ax_acc.set_ylabel(("MATH-500" if task == "math500" else task) + " accuracy / pass@1 (%)")
+    ax_kv.set_ylabel("KV cache for 32,768 tokens (GB, bf16)")
+    ax_kv.set_ylim(bottom=0)
+    if measured:
+        axes[2].set_ylabel("peak KV cache measured in the run (MB)")
+        axes[2].set_ylim(bottom=0)
+    for ax in axes:
+        ax.set_xlabel("loops T at inference")
         ax.grid(alpha=0.3)
+        ax.xaxis.get_major_locator().set_params(integer=True)
     if points:
-        ax_mem.legend(fontsize=7)
+        ax_kv.legend(fontsize=7)
     else:
-        ax_acc.text(0.5, 0.5, "no runs with --loops yet", transform=ax_acc.transAxes, ha="center")
+        ax_acc.text(0.5, 0.5, "no model run at several loop counts yet\n(melt-eval run --loops T)",
+                    transform=ax_acc.transAxes, ha="center", fontsize=8)
+    fig.suptitle("Accuracy and KV memory vs loops at inference", fontsize=10)
     fig.tight_layout()
     return _save(fig, out_dir / "loops")
 

@@ -49,6 +49,24 @@ class ResultSet:
     def main_models(self) -> list[str]:
         return list(dict.fromkeys(m for m, _ in self.main))
 
+    def loop_sweep_dirs(self) -> set[str]:
+        """Model directories that hold another directory's checkpoint run at a different loop count
+        (`run --loops T --name X-T2`): the loops figure shows them, the model tables do not."""
+        by_path: dict[tuple, set] = {}
+        for (d, _), r in self.main.items():
+            if r.raw.get("model_path"):
+                key = (r.raw["model_path"], r.settings.get("kv_sharing"), bool(r.settings.get("share_prompt")))
+                by_path.setdefault(key, set()).add((d, r.settings.get("loops")))
+        sweeps = set()
+        for members in by_path.values():
+            if len({loops for _, loops in members}) < 2:
+                continue
+            # the directory with the shortest name is the model itself; the others are its sweeps
+            base = min((d for d, _ in members), key=len)
+            base_loops = {loops for d, loops in members if d == base}
+            sweeps |= {d for d, loops in members if d != base and loops not in base_loops}
+        return sweeps
+
     def ablation_variants(self, ablation: str) -> list[str]:
         return list(dict.fromkeys(v for a, v, _ in self.ablations if a == ablation))
 

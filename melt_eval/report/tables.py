@@ -104,10 +104,13 @@ def main_table(rs: ResultSet, compare: bool = False) -> Table:
     paper = paper_results()["main_comparison"]
     from_paper = rs.empty
     models = list(MAIN_MODELS)
-    if not from_paper:
-        models += [m for m in rs.main_models() if m not in MAIN_MODELS]
-    compare = compare and not from_paper
     notes: list[str] = []
+    if not from_paper:
+        sweeps = rs.loop_sweep_dirs()
+        models += [m for m in rs.main_models() if m not in MAIN_MODELS and m not in sweeps]
+        if sweeps:
+            notes.append(f"Runs at other loop counts ({', '.join(sorted(sweeps))}) are in the loops figure, not here.")
+    compare = compare and not from_paper
 
     def paper_score(model, bench, metric):
         key = MAIN_MODELS.get(model)
@@ -262,7 +265,7 @@ def other_tasks_table(rs: ResultSet) -> Table | None:
         return None
     columns = [(t, m) for t in extra for m in _task_metrics(rs, t)]
     rows = []
-    for model in rs.main_models():
+    for model in [m for m in rs.main_models() if m not in rs.loop_sweep_dirs()]:
         cells = []
         for task, metric in columns:
             value, stderr = _pct(rs.main.get((model, task)), metric)
@@ -359,7 +362,17 @@ def build_tables(rs: ResultSet, compare: bool = False) -> list[Table]:
 
 
 def _diff(c: Cell) -> str:
-    return f"{c.value - c.paper:+.{c.digits}f}".replace("-", "\u2212")
+    """Ours minus the paper's, between the figures as printed (so 26.46 vs 26.5 reads +0.0, not -0.0)."""
+    d = round(c.rounded() - c.paper, c.digits) + 0.0  # + 0.0 turns -0.0 into 0.0
+    return f"{d:+.{c.digits}f}".replace("-", "\u2212")
+
+
+def paper_beside(c: Cell) -> str | None:
+    """'paper 46.7, Δ +3.3' (or 'paper 46.7' when ours is missing); None when there is nothing to compare."""
+    if c.paper is None or c.text is not None:
+        return None
+    p = f"paper {c.paper:.{c.digits}f}"
+    return f"{p}, Δ {_diff(c)}" if c.value is not None else p
 
 
 def cell_markdown(c: Cell) -> str:
@@ -370,9 +383,8 @@ def cell_markdown(c: Cell) -> str:
         out = f"**{shown}**" if c.bold else f"<ins>{shown}</ins>" if c.underline else shown
         if c.stderr is not None:
             out += f" ± {c.stderr:.{c.digits}f}"
-    if c.paper is not None and c.text is None:
-        p = f"{c.paper:.{c.digits}f}"
-        out += f" (paper {p}, Δ {_diff(c)})" if c.value is not None else f" (paper {p})"
+    if (beside := paper_beside(c)) is not None:
+        out += f" ({beside})"
     return out
 
 
@@ -387,12 +399,12 @@ def cell_latex(c: Cell) -> str:
             out += f"{{\\tiny\\textcolor{{gray}}{{$\\pm${c.stderr:.{c.digits}f}}}}}"
     if c.paper is not None and c.text is None:
         p = f"{c.paper:.{c.digits}f}"
-        beside = f"{p}; ${c.value - c.paper:+.{c.digits}f}$" if c.value is not None else p
+        beside = f"{p}; ${_diff(c).replace(chr(0x2212), '-')}$" if c.value is not None else p
         out += f" {{\\scriptsize\\textcolor{{gray}}{{[{beside}]}}}}"
     return out
 
 
-def _heading(t: Table) -> str:
+def heading(t: Table) -> str:
     src = "the paper's own numbers (no results found)" if t.source == "paper" else "reproduced"
     return f"{t.title} — {src}"
 
@@ -405,7 +417,7 @@ def render_markdown(t: Table) -> str:
             k += span
     else:
         heads = t.heads
-    lines = [f"### {_heading(t)}", ""]
+    lines = [f"### {heading(t)}", ""]
     lines.append("| " + " | ".join(t.stub_heads + heads) + " |")
     lines.append("|" + "|".join([":--"] * len(t.stub_heads) + ["--:"] * len(heads)) + "|")
     for r in t.rows:
