@@ -33,7 +33,7 @@ def hle_prompt(line: dict, task_name: str | None = None) -> Doc:
     return Doc(task_name=task_name, query=query, choices=[gold], gold_index=0)
 
 
-def _final_answer(text: str) -> str | None:
+def final_answer(text: str) -> str | None:
     found = ANSWER.findall(text)
     return found[-1].strip() if found else None
 
@@ -44,7 +44,7 @@ def _norm(s: str) -> str:
 
 def hle_score(doc: Doc, model_response) -> float:
     gold = json.loads(doc.get_golds()[0])
-    pred = _final_answer(model_response.final_text[0])
+    pred = final_answer(model_response.final_text[0])
     if pred is None:
         return 0.0
     if gold["type"] == "multipleChoice":

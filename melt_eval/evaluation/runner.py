@@ -112,28 +112,42 @@ def _num(x):
 
 def _details(spec: TaskSpec, details) -> list[dict]:
     """Per problem: every completion with its extracted answer and whether it is correct."""
-    import math_verify
-
+    fn = _scoring_fn(spec)
     out = []
     for d in details:
         doc, response, metrics = d.doc, d.model_response, d.metric
-        fn = _scoring_fn(spec)
         texts = response.final_text
         rows = []
         for text in texts:
-            extracted = None
-            if spec.kind == "math":
-                parsed = math_verify.parse(text)
-                extracted = str(parsed[-1]) if parsed else None
             # one sample: its pass@1 is its correctness (no second run of, say, HumanEval's tests)
             correct = next(iter(metrics.values())) > 0 if len(texts) == 1 else _correct(fn, doc, text)
-            rows.append({"text": text, "extracted": extracted, "correct": bool(correct)})
+            rows.append({"text": text, "extracted": _extracted(spec, fn, doc, text), "correct": bool(correct)})
         out.append({
             "index": (doc.specific or {}).get("index"), "id": (doc.specific or {}).get("id"),
             "gold": doc.get_golds()[0], "completions": rows,
             "metrics": {metric_name(k, spec): float(v) for k, v in metrics.items()},
         })
     return sorted(out, key=lambda r: (r["index"] is None, r["index"]))
+
+
+def _extracted(spec: TaskSpec, fn, doc, text: str) -> str | None:
+    """What the metric read from a completion: LightEval's own extraction (answer or letter), HLE's
+    final "Answer:" line, or the code HumanEval ran."""
+    if spec.kind == "code":
+        from melt_eval.evaluation.code import extract_code
+
+        return extract_code(text)
+    if spec.kind == "judge-free":
+        from melt_eval.evaluation.hle import final_answer
+
+        return final_answer(text)
+    from lighteval.metrics.utils.extractive_match_utils import extract_target_from_pred, get_extraction_regexes
+
+    matcher = fn.compute_score.__self__  # LightEval's MultilingualExtractiveMatchMetric
+    regexes = get_extraction_regexes(doc, matcher.pred_extraction_target, matcher.language)
+    found = extract_target_from_pred(fn.preprocess(text), regexes, matcher.fallback_mode, matcher.extraction_mode,
+                                     matcher.timeout_seconds)
+    return str(found[-1]) if found else None
 
 
 def _scoring_fn(spec: TaskSpec):

@@ -67,15 +67,28 @@ def _first(line: dict, *keys: str):
 def normalise(line: dict) -> dict:
     """{problem, answer} from the Hub schemas of the math benchmarks or the local schema."""
     answer = _first(line, "answer", "final_answer", "expected_answer")
-    if isinstance(answer, list):  # OlympiadBench: a list of final answers
-        answer = ", ".join(str(a) for a in answer)
+    if isinstance(answer, list):  # OlympiadBench: a list of final answers, each in $...$
+        answer = ", ".join(str(a).strip().strip("$").strip() for a in answer)
     return {"problem": str(_first(line, "problem", "question", "Question")), "answer": str(answer).strip()}
+
+
+def boxed_gold(answer: str) -> str:
+    """A final answer as LightEval's math metric reads golds: LaTeX in a box.
+
+    LightEval's own MATH-500 task passes the whole worked solution (which ends in a box); the
+    `{problem, answer}` schema has only the answer, and a bare `\\frac34` or `1,3,5` is not read as
+    LaTeX, so it is boxed here (without any `$` it already had)."""
+    text = answer.strip().rstrip(".").strip()
+    while len(text) > 1 and text.startswith("$") and text.endswith("$"):
+        text = text[1:-1].strip()
+    return f"$\\boxed{{{text}}}$"
 
 
 def _math_prompt(template: str):
     def prompt(line: dict, task_name: str | None = None) -> Doc:
         row = normalise(line)
-        return Doc(task_name=task_name, query=template.format(prompt=row["problem"]), choices=[row["answer"]], gold_index=0)
+        return Doc(task_name=task_name, query=template.format(prompt=row["problem"]), choices=[boxed_gold(row["answer"])],
+                   gold_index=0)
 
     return prompt
 
