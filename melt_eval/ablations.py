@@ -55,8 +55,10 @@ class TrainRun:
 
     @property
     def run_id(self) -> str:
+        """Readable, and a hash of everything the run computes: the resolved recipe and its start."""
         start = self.start.run_id if isinstance(self.start, TrainRun) else self.start
-        blob = json.dumps([self.recipe, self.overrides, start], sort_keys=True)
+        resolved = load_recipe(self.recipe, overrides=dict(self.overrides)).to_dict()
+        blob = json.dumps([resolved, start], sort_keys=True, default=str)
         readable = "-".join([self.recipe] + [f"{k}={v}" for k, v in sorted(self.overrides.items())])
         return f"{readable}-{hashlib.sha256(blob.encode()).hexdigest()[:8]}".replace("/", "_")
 

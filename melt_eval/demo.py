@@ -36,9 +36,8 @@ class DemoSize:
     loops: tuple[int, ...]  # T at inference for the loops figure
 
 
-FULL = DemoSize(pretrain={"max_steps": 900, "batch_tokens": 2048, "micro_batch_size": 32, "save_every": 300},
-                melt=None, problems=100, loops=(1, 2, 3, 4))
-QUICK = DemoSize(pretrain={"max_steps": 120, "batch_tokens": 2048, "micro_batch_size": 32, "save_every": 60},
+FULL = DemoSize(pretrain={}, melt=None, problems=50, loops=(1, 2, 3, 4))
+QUICK = DemoSize(pretrain={"max_steps": 100, "batch_tokens": 2048, "micro_batch_size": 32, "save_every": 50},
                  melt={"max_steps": 4, "save_every": 4}, problems=8, loops=(2, 4))
 EVAL = dict(samples=16, temperature=1.0, top_p=0.7, seed=0)
 
