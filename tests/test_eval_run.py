@@ -194,3 +194,101 @@ def test_tasks_json_lists_the_protocol():
     assert tasks["aime24"]["samples"] == 16 and tasks["aime24"]["metrics"] == ["pass@1", "pass@10"]
     assert tasks["math500"]["samples"] == 1 and tasks["math500"]["metrics"] == ["accuracy"]
     assert tasks["aime24"]["problems"] == 30 and tasks["math500"]["problems"] == 500
+
+
+def test_finished_run_with_other_settings_is_refused_not_reused(tmp_path):
+    run_tasks("synthetic", "tiny-random-melt", output=tmp_path, **TINY)
+    with pytest.raises(UserError, match="finished run with other settings.*samples"):
+        run_tasks("synthetic", "tiny-random-melt", output=tmp_path, **{**TINY, "samples": 3})
+    [again] = run_tasks("synthetic", "tiny-random-melt", output=tmp_path, **{**TINY, "samples": 3}, force=True)
+    assert again["settings"]["samples"] == 3
+
+
+def test_rescoring_a_runs_details_gives_the_runs_metrics(tmp_path):
+    [result] = run_tasks("synthetic", "tiny-random-ouro", output=tmp_path, **{**TINY, "samples": 10, "max_problems": 3})
+    details = tmp_path / "tiny-random-ouro" / "synthetic" / "details.jsonl"
+    rescored = score_completions("synthetic", details)
+    assert rescored["metrics"] == result["metrics"] and set(result["metrics"]) == {"pass@1", "pass@10"}
+
+
+def test_cut_checkpoint_line_is_dropped_and_later_lines_survive(tmp_path):
+    path = tmp_path / "completions.jsonl"
+    path.write_text(json.dumps({"key": "a", "completions": ["x"], "tokens": 1}) + '\n{"key": "b", "compl')
+    store = lighteval_model.CompletionStore(path)
+    assert set(store.done) == {"a"}
+    store.add("c", ["y"], 2)
+    assert set(lighteval_model.CompletionStore(path).done) == {"a", "c"}
+
+
+KILL_SCRIPT = """
+import os, signal, sys
+from melt_eval.evaluation import lighteval_model, run_tasks
+
+real, calls = lighteval_model.NativeBackend.generate, []
+def generate(self, *args):
+    calls.append(1)
+    if len(calls) > 2:
+        os.kill(os.getpid(), signal.SIGKILL)  # no cleanup, no exception handlers: like kill -9
+    return real(self, *args)
+lighteval_model.NativeBackend.generate = generate
+lighteval_model.NativeBackend.problems_per_batch = lambda self, samples: 1
+run_tasks("synthetic", "tiny-random-ouro", output=sys.argv[1], samples=2, max_problems=4, max_new_tokens=4, progress=False)
+"""
+
+
+def test_run_killed_with_sigkill_resumes_to_the_same_numbers(tmp_path, monkeypatch):
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", KILL_SCRIPT, str(tmp_path / "a")], capture_output=True, text=True)
+    assert proc.returncode == -9, proc.stderr
+    task_dir = tmp_path / "a" / "tiny-random-ouro" / "synthetic"
+    assert not (task_dir / "results.json").exists()
+    assert len((task_dir / "completions.jsonl").read_text().splitlines()) == 2
+
+    calls = []
+    real = lighteval_model.NativeBackend.generate
+    monkeypatch.setattr(lighteval_model.NativeBackend, "generate", lambda self, p, *a: calls.append(len(p)) or real(self, p, *a))
+    [resumed] = run_tasks("synthetic", "tiny-random-ouro", output=tmp_path / "a", **TINY)
+    assert sum(calls) == 2  # the two problems that were not finished
+    [fresh] = run_tasks("synthetic", "tiny-random-ouro", output=tmp_path / "b", **TINY)
+    assert resumed["metrics"] == fresh["metrics"]
+    b = tmp_path / "b" / "tiny-random-ouro" / "synthetic"
+    assert (task_dir / "details.jsonl").read_text() == (b / "details.jsonl").read_text()
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["run", "aime26", "--model", "tiny-random-melt"], "cannot load aime26 from the Hub"),
+        (["run", "mmlu_redux", "--model", "tiny-random-melt"], "pass --data-dir"),
+        (["run", "synthetic", "--model", "tiny-random-llama", "--loops", "2"], "--loops applies to looped models"),
+        (["run", "synthetic", "--model", "tiny-random-melt", "--top-p", "0"], "--top-p must be in (0, 1]"),
+        (["run", "synthetic", "--model", "tiny-random-melt", "--backend", "tpu"], "unknown backend 'tpu'"),
+        (["score", "synthetic", "--completions", "{tmp}/none.jsonl"], "does not exist"),
+        (["score", "synthetic", "--completions", "{uneven}"], "same number"),
+        (["score", "synthetic", "--completions", "{empty}"], "holds no completions"),
+    ],
+)
+def test_more_bad_input(tmp_path, capsys, args, message):
+    _write_jsonl(tmp_path / "uneven.jsonl", [{"index": 0, "completions": ["a", "b"]}, {"index": 1, "completions": ["a"]}])
+    (tmp_path / "empty.jsonl").write_text("\n")
+    args = [a.format(tmp=tmp_path, uneven=tmp_path / "uneven.jsonl", empty=tmp_path / "empty.jsonl") for a in args]
+    out = tmp_path / "out"
+    if args[0] == "run":
+        args += ["--output", str(out), "--no-progress"]
+    assert _main(args) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and message in err, err
+    assert not out.exists()
+
+
+def test_vllm_backend_missing_is_a_clear_error(tmp_path, capsys):
+    import importlib.util
+
+    if importlib.util.find_spec("melt_eval.generation.vllm_backend") is not None:
+        pytest.skip("the vLLM backend is installed here; its own tests cover it")
+    assert _main(["run", "synthetic", "--model", "tiny-random-melt", "--backend", "vllm", "--output", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "--backend vllm is unavailable" in err and "--backend native" in err
+    assert not (tmp_path / "o").exists()
