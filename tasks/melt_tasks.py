@@ -1,9 +1,11 @@
-"""melt-eval's tasks as a LightEval custom-tasks module.
+"""melt-eval's tasks as a LightEval custom-tasks module, for LightEval's own command line:
 
-    lighteval custom ... --custom-tasks tasks/melt_tasks.py
+    lighteval accelerate "model_name=..." "melt_aime24|0" --custom-tasks tasks/melt_tasks.py
 
-The definitions live in `melt_eval.evaluation.tasks` so that an installed melt-eval has them too;
-this file only hands LightEval the table.
+Task names are melt-eval's with a `melt_` prefix (LightEval refuses custom tasks that share a
+built-in task's name); `melt_mmlu_redux` runs all 57 subjects. The definitions live in
+`melt_eval.evaluation.tasks` so that an installed melt-eval has them too; `melt-eval run` uses the
+same prompt functions and metrics through LightEval's Pipeline.
 """
 
 from melt_eval.evaluation.tasks import TASKS_TABLE  # noqa: F401

@@ -59,3 +59,26 @@ def test_hle_subset_is_fixed_text_only_and_scored_by_answer_type(tmp_path):
     result = score_completions("hle", path, data_dir=data)
     verdict = {d["id"]: d["completions"][0]["correct"] for d in result["details"]}
     assert verdict == {subset[0]["id"]: True, subset[1]["id"]: subset[1]["answer"] == "12345", "m": True}
+
+
+def test_custom_tasks_module_loads_in_lighteval_registry_without_name_conflicts(monkeypatch):
+    """`--custom-tasks tasks/melt_tasks.py` through LightEval's own Registry, next to every built-in task
+    (but the modules that reach the Hub or the web at import, which cannot load offline)."""
+    from pathlib import Path
+
+    from lighteval.tasks.registry import Registry
+
+    networked = ("tiny_benchmarks", "mt_bench", "mix_eval")  # mix_eval: a Hub API call LightEval 0.13 makes wrongly
+    load_files, load_dirs = Registry._load_from_files, Registry._load_from_subdirs
+    monkeypatch.setattr(Registry, "_load_from_files", staticmethod(
+        lambda files, prefix: load_files([f for f in files if f.stem not in networked], prefix)))
+    monkeypatch.setattr(Registry, "_load_from_subdirs", staticmethod(
+        lambda dirs: load_dirs([d for d in dirs if d.name not in networked])))
+    module = Path(__file__).resolve().parents[1] / "tasks" / "melt_tasks.py"
+    registry = Registry(tasks="melt_aime24,melt_gpqa,melt_hle,melt_humaneval,melt_mmlu_redux", custom_tasks=str(module))
+    names = set(registry.task_to_configs)
+    assert {"melt_aime24", "melt_gpqa", "melt_hle", "melt_humaneval"} <= names
+    assert sum(n.startswith("melt_mmlu_redux:") for n in names) == 57
+    config = registry.task_to_configs["melt_mmlu_redux:anatomy"][0]
+    doc = config.prompt_function({"question": "Q?", "choices": ["a", "b", "c", "d"], "answer": 2}, "t")
+    assert "about anatomy" in doc.query and doc.gold_index == 2

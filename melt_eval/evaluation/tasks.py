@@ -239,12 +239,14 @@ def _with_position(prompt):
     return wrapped
 
 
-def task_config(spec: TaskSpec, samples: int | None = None) -> LightevalTaskConfig:
+def task_config(spec: TaskSpec, samples: int | None = None, *, name: str | None = None, hf_subset: str | None = None,
+                hf_filter=None) -> LightevalTaskConfig:
     return LightevalTaskConfig(
-        name=spec.name,
+        name=name or spec.name,
         prompt_function=_with_position(prompt_function(spec)),
         hf_repo=spec.hf_repo or "melt-eval/builtin",
-        hf_subset=spec.hf_subset,
+        hf_subset=hf_subset or spec.hf_subset,
+        hf_filter=hf_filter,
         hf_avail_splits=[spec.split],
         evaluation_splits=[spec.split],
         few_shots_split=None,
@@ -255,7 +257,38 @@ def task_config(spec: TaskSpec, samples: int | None = None) -> LightevalTaskConf
     )
 
 
-TASKS_TABLE = [task_config(spec) for spec in SPECS.values()]
+def _text_only(row: dict) -> bool:
+    return not row.get("image")
+
+
+def _with_subject(prompt, subject: str):
+    return lambda line, task_name=None: prompt({**line, "subject": subject}, task_name)
+
+
+def lighteval_cli_table() -> list[LightevalTaskConfig]:
+    """The tasks for LightEval's own CLI (`--custom-tasks tasks/melt_tasks.py --tasks melt_aime24`).
+
+    Names carry a `melt_` prefix because LightEval refuses custom tasks named like its built-in
+    ones (aime24, aime25, ...). LightEval loads the Hub datasets itself here, so: MMLU-Redux is one
+    task per subject (`melt_mmlu_redux` runs all 57), HLE is every text-only question (the fixed
+    300-question subset is applied by `melt-eval run`, which loads the rows itself), and the
+    built-in synthetic task is left out (it is not on the Hub).
+    """
+    table = []
+    for spec in SPECS.values():
+        if spec.hf_repo is None:
+            continue
+        if spec.hf_subset == "*":
+            for subject in MMLU_REDUX_SUBJECTS:
+                config = task_config(spec, name=f"melt_{spec.name}:{subject}", hf_subset=subject)
+                config.prompt_function = _with_subject(config.prompt_function, subject)
+                table.append(config)
+        else:
+            table.append(task_config(spec, name=f"melt_{spec.name}", hf_filter=_text_only if spec.name == "hle" else None))
+    return table
+
+
+TASKS_TABLE = lighteval_cli_table()
 
 
 def expand(names: str | list[str]) -> list[str]:
