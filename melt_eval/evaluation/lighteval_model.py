@@ -107,6 +107,12 @@ class NativeBackend:
     def problems_per_batch(self, samples: int) -> int:
         return max(1, self.batch_rows // samples)
 
+    def start(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
     def generate(self, prompts: list[list[int]], seeds: list[int], s: SamplingSettings, eos: list[int]) -> Batch:
         if self.looped:
             from melt_eval.generation import generate
@@ -152,14 +158,25 @@ class VllmBackend:
     def __init__(self, generator_cls, model_path: str, tokenizer, *, loops=None, kv_sharing=None, prefill_chunk=None,
                  max_model_len=None) -> None:
         self.tokenizer = tokenizer
-        self.generator = generator_cls(model_path, loops=loops, kv_sharing=kv_sharing,
-                                       prefill_chunk_size=prefill_chunk, max_model_len=max_model_len)
+        self._make = lambda: generator_cls(model_path, loops=loops, kv_sharing=kv_sharing,
+                                           prefill_chunk_size=prefill_chunk, max_model_len=max_model_len)
+        self.generator = None
         self.peak_cache_bytes = 0
+
+    def start(self) -> None:
+        if self.generator is None:
+            self.generator = self._make()
+
+    def close(self) -> None:
+        if self.generator is not None:
+            self.generator.close()
+            self.generator = None
 
     def problems_per_batch(self, samples: int) -> int:
         return 10_000  # vLLM schedules on its own
 
     def generate(self, prompts, seeds, s: SamplingSettings, eos) -> Batch:
+        self.start()
         res = self.generator.generate(prompts, n=s.samples, temperature=s.temperature, top_p=s.top_p,
                                       max_new_tokens=s.max_new_tokens, seed=seeds, stop_token_ids=eos)
         self.peak_cache_bytes = max(self.peak_cache_bytes, res.peak_cache_bytes or 0)
@@ -174,6 +191,12 @@ class ReplayBackend:
 
     def problems_per_batch(self, samples: int) -> int:
         return 10_000
+
+    def start(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
 
     def generate(self, prompts, seeds, s, eos) -> Batch:  # pragma: no cover - never called
         raise AssertionError("replay runs read every problem from the store")

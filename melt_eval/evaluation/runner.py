@@ -341,30 +341,34 @@ def run_tasks(
     rows = {task: data.load_rows(SPECS[task], data_dir, max_problems) for task in names}
     loaded = None
     out = []
-    for task in names:
-        spec = SPECS[task]
-        task_root = Path(results_dir) if results_dir else None
-        settings = SamplingSettings(
-            samples=samples or spec.samples, temperature=temperature, top_p=top_p,
-            max_new_tokens=max_new_tokens or spec.max_new_tokens, seed=seed,
-        )
-        if loaded is None:
-            loaded = LoadedModel(model, backend, loops, kv_sharing, share_prompt, prefill_chunk)
-            loaded.display = name or loaded.display
-        task_dir = (task_root or Path(output) / loaded.display) / task
-        run_settings = {
-            "samples": settings.samples, "temperature": temperature, "top_p": top_p,
-            "max_new_tokens": settings.max_new_tokens, "seed": seed, "backend": backend, "loops": loaded.loops,
-            "kv_sharing": kv_sharing, "share_prompt": share_prompt, "prefill_chunk": prefill_chunk,
-            "max_problems": max_problems,
-        }
-        identity = {"model": loaded.display, "task": task, "model_path": str(loaded.model_dir),
-                    "config_hash": loaded.config_hash, "settings": run_settings}
-        if not force and (done := read_finished(task_dir, identity)):
-            out.append(done)
-            continue
-        _claim(task_dir, identity, force)
-        out.append(_run_one(spec, rows[task], loaded, settings, identity, task_dir, progress))
+    try:
+        for task in names:
+            spec = SPECS[task]
+            settings = SamplingSettings(
+                samples=samples or spec.samples, temperature=temperature, top_p=top_p,
+                max_new_tokens=max_new_tokens or spec.max_new_tokens, seed=seed,
+            )
+            if loaded is None:
+                loaded = LoadedModel(model, backend, loops, kv_sharing, share_prompt, prefill_chunk)
+                loaded.display = name or loaded.display
+            task_dir = (Path(results_dir) if results_dir else Path(output) / loaded.display) / task
+            run_settings = {
+                "samples": settings.samples, "temperature": temperature, "top_p": top_p,
+                "max_new_tokens": settings.max_new_tokens, "seed": seed, "backend": backend, "loops": loaded.loops,
+                "kv_sharing": kv_sharing, "share_prompt": share_prompt, "prefill_chunk": prefill_chunk,
+                "max_problems": max_problems,
+            }
+            identity = {"model": loaded.display, "task": task, "model_path": str(loaded.model_dir),
+                        "config_hash": loaded.config_hash, "settings": run_settings}
+            if not force and (done := read_finished(task_dir, identity)):
+                out.append(done)
+                continue
+            loaded.backend.start()  # vLLM starts only when something is left to generate, before any file is written
+            _claim(task_dir, identity, force)
+            out.append(_run_one(spec, rows[task], loaded, settings, identity, task_dir, progress))
+    finally:
+        if loaded is not None:
+            loaded.backend.close()  # vLLM's engine holds its cache memory until closed
     return out
 
 
