@@ -115,6 +115,7 @@ def test_measure_vllm_reports_what_the_backend_measured(monkeypatch):
     assert rows["melt-1.6b"]["kv_bytes_per_token"] == 196_608  # the analytic figure stays beside
     res = runner.invoke(app, ["memory", "--models", "melt-1.6b", "--measure", "vllm"], env={"COLUMNS": "250"})
     assert res.exit_code == 0 and "vLLM KV" in res.output and "1,000" in res.output
+    assert "differ from ours for MELT-1.6B (1,000 vs 196,608)" in res.output
 
 
 def run_main(args, capsys) -> tuple[int, str]:

@@ -263,8 +263,22 @@ def render_rich(rows: list[MemoryRow], contexts) -> None:
         )
         table.add_row(*cells)
     console.print(table)
-    for note in paper_notes(rows):
+    for note in paper_notes(rows) + measured_notes(rows):
         console.print(note, soft_wrap=True)
+
+
+def measured_notes(rows: list[MemoryRow]) -> list[str]:
+    """Where vLLM's allocation agrees with the arithmetic and where it does not."""
+    got = [r for r in rows if r.measured]
+    same = [r.display for r in got if r.measured["kv_bytes_per_token"] == r.kv_bytes_per_token]
+    differ = [f"{r.display} ({r.measured['kv_bytes_per_token']:,} vs {r.kv_bytes_per_token:,})" for r in got
+              if r.measured["kv_bytes_per_token"] != r.kv_bytes_per_token]
+    notes = []
+    if same:
+        notes.append("vLLM's KV bytes per token equal ours for " + ", ".join(same) + ".")
+    if differ:
+        notes.append("vLLM's KV bytes per token differ from ours for " + "; ".join(differ) + ".")
+    return notes
 
 
 def render_latex(rows: list[MemoryRow], contexts) -> str:
