@@ -274,6 +274,9 @@ class HarnessModel(LightevalModel):
         messages = ([{"role": "system", "content": self.system_prompt}] if self.system_prompt else []) + [
             {"role": "user", "content": query}
         ]
+        if not getattr(self._tokenizer, "chat_template", None):
+            # a base model without a chat template gets the bare prompt, as LightEval gives it
+            return self._tokenizer.encode(query, add_special_tokens=True)
         text = self._tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         return self._tokenizer.encode(text, add_special_tokens=False)
 
