@@ -130,6 +130,9 @@ def test_gaps_read_n_a_and_compare_prints_the_paper_beside(tmp_path):
     unfinished = tmp_path / "qwen3-1.7b" / "aime24" / "results.json"
     unfinished.parent.mkdir(parents=True)
     unfinished.write_text(json.dumps({"finished": False, "metrics": {"pass@1": {"value": 0.9}}}))
+    corrupt = tmp_path / "gemma4-e2b" / "aime24" / "results.json"
+    corrupt.parent.mkdir(parents=True)
+    corrupt.write_text("{not json")
     out = write_report(tmp_path, tmp_path / "report", paper=True, plots=False)
     md = (tmp_path / "report" / "report.md").read_text()
     main = md.split("### Gate ablation")[0]
@@ -141,7 +144,10 @@ def test_gaps_read_n_a_and_compare_prints_the_paper_beside(tmp_path):
     assert "0.0" not in cells[2]
     gates = md.split("### Gate ablation")[1].split("###")[0]
     assert "| Single-gated | **30.0** (paper 34.4, Δ −4.4)" in gates  # the only value: best
-    assert any("unfinished" in n for n in out["notes"])
+    assert any("unfinished" in n for n in out["notes"]) and any("unreadable" in n for n in out["notes"])
+    tex = (tmp_path / "report" / "report.tex").read_text()
+    aime = next(line for line in tex.splitlines() if line.startswith("AIME24 & pass@1"))
+    assert aime.count("n/a") == 5 and "\\textbf{50.0}" in aime
 
 
 def test_every_table_and_the_latex_compiles(tmp_path):
