@@ -88,3 +88,17 @@ def test_writes_stay_inside_the_sandbox(tmp_path):
     flood = run_python(f"for i in range(200):\n    open(f'/tmp/{marker}-{{i}}', 'w').write('x' * (1 << 20))")
     assert flood.status == "failed" and "No space left" in flood.stderr
     assert not any(name.startswith(marker) for name in os.listdir("/tmp"))
+
+
+def test_run_on_humaneval_records_the_sandbox(tmp_path):
+    from melt_eval.evaluation import run_tasks
+
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "humaneval.jsonl").write_text(json.dumps({**PROBLEM, "task_id": "HumanEval/0"}) + "\n")
+    [result] = run_tasks("humaneval", "tiny-random-melt", output=tmp_path / "out", data_dir=data, max_new_tokens=4,
+                         progress=False)
+    assert result["finished"] and set(result["metrics"]) == {"accuracy"} and result["num_problems"] == 1
+    assert set(result["sandbox"]) >= {"drops_to_nobody", "network_namespace", "private_tmp"}
+    [detail] = [json.loads(x) for x in (tmp_path / "out" / "tiny-random-melt" / "humaneval" / "details.jsonl").open()]
+    assert detail["id"] == "HumanEval/0" and len(detail["completions"]) == 1

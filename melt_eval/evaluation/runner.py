@@ -391,6 +391,10 @@ def _run_one(spec, rows, loaded: LoadedModel, settings, identity, task_dir: Path
         "generated_tokens": sum(r.get("tokens", 0) for r in store.done.values()),
         "peak_cache_bytes": loaded.backend.peak_cache_bytes or None, "num_problems": len(rows),
     }
+    if spec.kind == "code":
+        from melt_eval.evaluation.sandbox import describe
+
+        result["sandbox"] = describe()  # which containment layers this machine gave the unit tests
     write_json_atomic(task_dir / "results.json", result)
     return result
 
