@@ -1,0 +1,156 @@
+"""vLLM serving: Ouro (LoopLM) vs MELT, same weights, same fixed KV-cache budget, one run.
+
+    python benchmarks/vllm_throughput.py [--quick] [--json] [--kv-budget-mb MB] [--prefill-chunk C]
+
+A random LoopLM and MELT built from it (elementwise gates) are saved as checkpoints and served
+by vLLM through the melt-eval plugin, each engine with the same cache budget. For each model:
+
+* kv_bytes_per_token / capacity_tokens: what vLLM allocated (read from the engine);
+* max_concurrent_seqs: how many sequences of prompt + new tokens fit in that cache at once
+  (whole blocks per sequence; vLLM keeps one block aside as its null block);
+* tokens_per_s: output tokens per second for the same workload (as many requests as MELT's
+  max_concurrent_seqs, each model batching as many as fit in its own cache), greedy, EOS
+  ignored so every request makes exactly --new tokens. MELT prefills with exact chunks
+  (--prefill-chunk, default 1); Ouro's per-loop cache needs no chunking.
+
+Report the MELT/Ouro ratios from one run: absolute speeds depend on the machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import tempfile
+import time
+from pathlib import Path
+
+
+def build_checkpoints(root: Path, hidden: int, layers: int, loops: int, dtype) -> dict[str, str]:
+    import torch
+
+    from melt_eval.modeling import LoopLMConfig, LoopLMForCausalLM, MeltForCausalLM
+    from melt_eval.modeling.tiny import build_tokenizer
+
+    tok = build_tokenizer()
+    torch.manual_seed(0)
+    config = LoopLMConfig(
+        vocab_size=len(tok), hidden_size=hidden, intermediate_size=4 * hidden, num_hidden_layers=layers,
+        num_attention_heads=hidden // 64, head_dim=64, total_ut_steps=loops, max_position_embeddings=8192,
+        eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id, pad_token_id=tok.pad_token_id,
+    )
+    config.architectures = ["LoopLMForCausalLM"]
+    looplm = LoopLMForCausalLM(config).eval()
+    models = {"ouro": looplm, "melt": MeltForCausalLM.from_looplm(looplm, gate="elementwise")}
+    dirs = {}
+    for name, model in models.items():
+        model.to(dtype).save_pretrained(root / name)
+        tok.save_pretrained(root / name)
+        dirs[name] = str(root / name)
+    return dirs
+
+
+def run_model(model_dir: str, *, prompt: int, new: int, requests: int | None, budget: int, dtype: str,
+              prefill_chunk: int, vocab: int) -> dict:
+    import random
+
+    from vllm import SamplingParams
+
+    from melt_eval.generation.vllm_backend import VllmGenerator
+
+    seq_len = prompt + new
+    # First engine: read the cache vLLM allocates under the budget, to size the batch.
+    with VllmGenerator(model_dir, dtype=dtype, kv_cache_bytes=budget, max_model_len=seq_len, max_num_seqs=1,
+                       prefill_chunk_size=prefill_chunk) as probe:
+        kv = probe.kv_cache_info()
+    blocks_per_seq = math.ceil(seq_len / kv["block_size"])
+    fit = (kv["num_blocks"] - 1) // blocks_per_seq  # one block is vLLM's null block
+    requests = requests or fit
+    rng = random.Random(0)
+    prompts = [{"prompt_token_ids": [rng.randrange(vocab) for _ in range(prompt)]} for _ in range(requests)]
+    params = SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True, detokenize=False)
+    with VllmGenerator(model_dir, dtype=dtype, kv_cache_bytes=budget, max_model_len=seq_len, max_num_seqs=fit,
+                       prefill_chunk_size=prefill_chunk) as gen:
+        gen.llm.generate(prompts[: min(4, requests)], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True),
+                         use_tqdm=False)  # warm-up
+        start = time.perf_counter()
+        outputs = gen.llm.generate(prompts, params, use_tqdm=False)
+        elapsed = time.perf_counter() - start
+    tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+    return {"kv_bytes_per_token": kv["kv_bytes_per_token"], "capacity_tokens": kv["capacity_tokens"],
+            "block_size": kv["block_size"], "max_concurrent_seqs": fit, "requests": requests,
+            "output_tokens": tokens, "seconds": elapsed, "tokens_per_s": tokens / elapsed}
+
+
+def machine() -> str:
+    import torch
+
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_name()
+    return f"{platform.processor() or platform.machine()} CPU, {os.cpu_count()} cores"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="small model and budget, for a smoke run")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    parser.add_argument("--hidden", type=int, default=None)
+    parser.add_argument("--layers", type=int, default=None)
+    parser.add_argument("--loops", type=int, default=4)
+    parser.add_argument("--prompt", type=int, default=None, help="prompt tokens per request")
+    parser.add_argument("--new", type=int, default=None, help="generated tokens per request")
+    parser.add_argument("--kv-budget-mb", type=float, default=None, help="KV cache budget per engine (MiB)")
+    parser.add_argument("--prefill-chunk", type=int, default=1, help="MELT's prefill chunk (1 = exact)")
+    parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
+    args = parser.parse_args()
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    import torch
+
+    gpu = torch.cuda.is_available()
+    hidden = args.hidden or (256 if args.quick else 1024)
+    layers = args.layers or (4 if args.quick else 12)
+    prompt = args.prompt or (32 if args.quick else 256)
+    new = args.new or (32 if args.quick else 256)
+    budget_mb = args.kv_budget_mb or (32 if args.quick else (1024 if gpu else 256))
+    dtype = args.dtype or ("bfloat16" if gpu else "float32")
+    with tempfile.TemporaryDirectory(prefix="vllm-bench-") as tmp:
+        dirs = build_checkpoints(Path(tmp), hidden, layers, args.loops, getattr(torch, dtype))
+        from melt_eval.modeling.tiny import build_tokenizer
+
+        vocab = len(build_tokenizer())
+        melt = run_model(dirs["melt"], prompt=prompt, new=new, requests=None, budget=int(budget_mb * 2**20),
+                         dtype=dtype, prefill_chunk=args.prefill_chunk, vocab=vocab)
+        ouro = run_model(dirs["ouro"], prompt=prompt, new=new, requests=melt["requests"],
+                         budget=int(budget_mb * 2**20), dtype=dtype, prefill_chunk=args.prefill_chunk, vocab=vocab)
+    import vllm
+
+    result = {
+        "machine": machine(), "vllm": vllm.__version__, "dtype": dtype,
+        "model": {"hidden": hidden, "layers": layers, "loops": args.loops, "heads": hidden // 64, "head_dim": 64},
+        "prompt_tokens": prompt, "new_tokens": new, "kv_budget_bytes": int(budget_mb * 2**20),
+        "melt_prefill_chunk": args.prefill_chunk, "ouro": ouro, "melt": melt,
+        "capacity_ratio": melt["max_concurrent_seqs"] / ouro["max_concurrent_seqs"],
+        "kv_per_token_ratio": ouro["kv_bytes_per_token"] / melt["kv_bytes_per_token"],
+        "tokens_per_s_ratio": melt["tokens_per_s"] / ouro["tokens_per_s"],
+    }
+    if args.json:
+        print(json.dumps(result, indent=2))
+        return
+    m = result["model"]
+    print(f"vLLM {result['vllm']} on {result['machine']}: d={m['hidden']}, N={m['layers']}, T={m['loops']}, {dtype}, "
+          f"{prompt} prompt + {new} new tokens per request, KV budget {budget_mb:g} MiB, MELT prefill chunk {args.prefill_chunk}")
+    print(f"{'model':>6} {'KV B/token':>11} {'cache tokens':>13} {'max seqs':>9} {'requests':>9} {'tokens/s':>10}")
+    for name in ("ouro", "melt"):
+        r = result[name]
+        print(f"{name:>6} {r['kv_bytes_per_token']:>11,} {r['capacity_tokens']:>13,} {r['max_concurrent_seqs']:>9} "
+              f"{r['requests']:>9} {r['tokens_per_s']:>10.1f}")
+    print(f"MELT / Ouro: KV per token 1/{result['kv_per_token_ratio']:.2f}, concurrent sequences "
+          f"{result['capacity_ratio']:.2f}x, tokens/s {result['tokens_per_s_ratio']:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
