@@ -155,10 +155,10 @@ class NativeBackend:
 class VllmBackend:
     """vLLM through the harness's generator (the vLLM plugin serves LoopLM and MELT)."""
 
-    def __init__(self, generator_cls, model_path: str, tokenizer, *, loops=None, kv_sharing=None, prefill_chunk=None,
-                 max_model_len=None) -> None:
+    def __init__(self, generator_cls, model_path: str, tokenizer, *, loops=None, kv_sharing=None, share_prompt=False,
+                 prefill_chunk=None, max_model_len=None) -> None:
         self.tokenizer = tokenizer
-        self._make = lambda: generator_cls(model_path, loops=loops, kv_sharing=kv_sharing,
+        self._make = lambda: generator_cls(model_path, loops=loops, kv_sharing=kv_sharing, share_prompt=share_prompt,
                                            prefill_chunk_size=prefill_chunk, max_model_len=max_model_len)
         self.generator = None
         self.peak_cache_bytes = 0

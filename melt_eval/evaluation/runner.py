@@ -275,7 +275,7 @@ class LoadedModel:
             self.loops = config.total_ut_steps if looped else None
             self.config_hash = _config_hash(config)
             self.backend = VllmBackend(generator_cls, str(self.model_dir), self.tokenizer, loops=loops,
-                                       kv_sharing=kv_sharing, prefill_chunk=prefill_chunk)
+                                       kv_sharing=kv_sharing, share_prompt=share_prompt, prefill_chunk=prefill_chunk)
             return
         device = "cuda" if torch.cuda.is_available() else "cpu"
         dtype = torch.bfloat16 if device == "cuda" else torch.float32
