@@ -37,34 +37,37 @@ pytestmark = pytest.mark.vllm
 # ----------------------------------------------------------------------------- the subprocess
 
 
-def _build_models(root: Path) -> dict[str, str]:
-    """tiny-random-ouro and one MELT checkpoint per gate, all from the same LoopLM weights."""
+def _build_models(root: Path) -> tuple[dict[str, str], dict]:
+    """tiny-random-ouro and one MELT checkpoint per gate, all from the same LoopLM weights;
+    their directories (for vLLM) and the models in memory (for the native engine)."""
     from melt_eval.modeling import LoopLMForCausalLM, MeltForCausalLM
     from melt_eval.modeling.loading import load_tokenizer
     from melt_eval.registry import resolve_model_dir
 
     ouro_dir = resolve_model_dir("tiny-random-ouro")
-    looplm = LoopLMForCausalLM.from_pretrained(ouro_dir, dtype="float32")
+    looplm = LoopLMForCausalLM.from_pretrained(ouro_dir, dtype="float32").eval()
     tok = load_tokenizer(ouro_dir)
-    dirs = {"ouro": str(ouro_dir)}
+    dirs, models = {"ouro": str(ouro_dir)}, {"ouro": looplm}
     for gate in GATES:
         target = root / f"melt-{gate}"
-        MeltForCausalLM.from_looplm(looplm, gate=gate, seed=1).save_pretrained(target)
+        models[f"melt-{gate}"] = MeltForCausalLM.from_looplm(looplm, gate=gate, seed=1).eval()
+        models[f"melt-{gate}"].save_pretrained(target)
         tok.save_pretrained(target)
         dirs[f"melt-{gate}"] = str(target)
-    return dirs
+    return dirs, models
 
 
-def _native(model_dir: str, kwargs: dict, eos: int) -> dict:
+def _native(model, kwargs: dict, eos: int) -> dict:
     from melt_eval.generation import generate
-    from melt_eval.modeling import load_model
 
     kwargs = dict(kwargs)
-    model, _ = load_model(model_dir)
-    if "loops" in kwargs:
-        model.config.total_ut_steps = kwargs.pop("loops")
+    loops = model.config.total_ut_steps
+    model.config.total_ut_steps = kwargs.pop("loops", loops)
     kwargs.setdefault("prefill_chunk_size", 1)
-    res = generate(model, PROMPTS, temperature=0.0, max_new_tokens=MAX_NEW, eos_token_id=eos, **kwargs)
+    try:
+        res = generate(model, PROMPTS, temperature=0.0, max_new_tokens=MAX_NEW, eos_token_id=eos, **kwargs)
+    finally:
+        model.config.total_ut_steps = loops
     return {"tokens": [s[0] for s in res.sequences], "logprobs": [s[0] for s in res.logprobs]}
 
 
@@ -72,7 +75,7 @@ def _worker(out_dir: Path) -> None:
     from melt_eval.generation.vllm_backend import VllmGenerator, measure_kv
     from melt_eval.modeling.loading import load_tokenizer
 
-    dirs = _build_models(out_dir / "models")
+    dirs, models = _build_models(out_dir / "models")
     eos = load_tokenizer(dirs["ouro"]).eos_token_id
     engine = dict(dtype="float32", max_model_len=128, kv_cache_bytes=8 << 20, max_num_seqs=8)
     results: dict = {"cases": {}}
@@ -98,7 +101,7 @@ def _worker(out_dir: Path) -> None:
                 stopped = gen.generate(PROMPTS[:1], n=1, temperature=0.0, max_new_tokens=MAX_NEW, stop_token_ids=[stop])
                 results["stop"] = {"token": stop, "sequence": stopped.sequences[0][0],
                                    "finish": stopped.finish_reasons[0][0]}
-        case["native"] = _native(dirs[key], nkw, eos)
+        case["native"] = _native(models[key], nkw, eos)
         results["cases"][name] = case
     results["measure_kv"] = measure_kv(["tiny-random-melt", "tiny-random-ouro"], kv_cache_bytes=16 << 20,
                                        max_model_len=256)
