@@ -48,12 +48,17 @@ def register(app: typer.Typer) -> None:
         """Evaluate a model with LightEval and the paper's protocol; resumable."""
         from melt_eval.evaluation import run_tasks
 
-        results = run_tasks(
-            tasks, model, output=output, backend=backend, samples=samples, temperature=temperature, top_p=top_p,
-            max_new_tokens=max_new_tokens, max_problems=max_problems, loops=loops, kv_sharing=kv_sharing,
-            share_prompt=share_prompt, prefill_chunk=prefill_chunk, data_dir=data_dir, seed=seed, force=force,
-            progress=progress, name=name,
-        )
+        try:
+            results = run_tasks(
+                tasks, model, output=output, backend=backend, samples=samples, temperature=temperature, top_p=top_p,
+                max_new_tokens=max_new_tokens, max_problems=max_problems, loops=loops, kv_sharing=kv_sharing,
+                share_prompt=share_prompt, prefill_chunk=prefill_chunk, data_dir=data_dir, seed=seed, force=force,
+                progress=progress, name=name,
+            )
+        except KeyboardInterrupt:
+            typer.secho("interrupted: finished problems are saved; run the same command again to continue",
+                        fg=typer.colors.YELLOW, err=True)
+            raise typer.Exit(130) from None
         _print_results(results)
 
     @app.command()
