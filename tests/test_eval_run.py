@@ -147,6 +147,7 @@ def test_hf_causal_lm_runs_through_transformers_generate(tmp_path):
     assert res.exit_code == 0, res.output
     result = json.loads((tmp_path / "tiny-random-llama" / "synthetic" / "results.json").read_text())
     assert result["finished"] and result["generated_tokens"] > 0 and result["settings"]["loops"] is None
+    assert result["peak_cache_bytes"] > 0  # the transformers cache, measured
 
 
 def _main(args):

@@ -135,8 +135,10 @@ class NativeBackend:
             if s.temperature > 0:
                 kwargs.update(temperature=s.temperature, top_p=s.top_p, top_k=0)
             with torch.no_grad():
-                out = self.model.generate(ids, attention_mask=torch.ones_like(ids), **kwargs)
-            seqs = [self._trim(row[len(prompt):].tolist(), eos) for row in out]
+                out = self.model.generate(ids, attention_mask=torch.ones_like(ids), return_dict_in_generate=True,
+                                          **kwargs)
+            self.peak_cache_bytes = max(self.peak_cache_bytes, _cache_bytes(out.past_key_values))
+            seqs = [self._trim(row[len(prompt):].tolist(), eos) for row in out.sequences]
             texts.append([self._decode(q) for q in seqs])
             tokens.append(sum(len(q) for q in seqs))
         return Batch(texts, tokens)
@@ -150,6 +152,14 @@ class NativeBackend:
 
     def _decode(self, seq: list[int]) -> str:
         return self.tokenizer.decode(seq, skip_special_tokens=True)
+
+
+def _cache_bytes(cache) -> int:
+    """Bytes held by a transformers KV cache at the end of generation (its largest size)."""
+    tensors = []
+    for layer in getattr(cache, "layers", None) or []:
+        tensors += [t for t in (getattr(layer, "keys", None), getattr(layer, "values", None)) if torch.is_tensor(t)]
+    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 class VllmBackend:
