@@ -172,7 +172,8 @@ def evaluate_once(model: str, results_dir: Path, name: str, tasks: str, *, evalu
     from melt_eval.evaluation.tasks import expand
 
     eval_options = eval_options or {}
-    key = (str(model), json.dumps(eval_options, sort_keys=True))
+    # options left at their defaults (None/False) compute the same thing as options left out
+    key = (str(model), json.dumps({k: v for k, v in eval_options.items() if v}, sort_keys=True))
     if key in evaluated and evaluated[key] != results_dir:
         for task in expand(tasks):
             src, dst = evaluated[key] / task, results_dir / task

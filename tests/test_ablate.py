@@ -68,3 +68,30 @@ def test_unknown_ablation_is_a_one_line_error():
     res = runner.invoke(app, ["ablate", "nosuch", "--dry-run"])
     assert res.exit_code != 0
     assert "unknown ablation 'nosuch'" in str(res.exception)
+
+
+def test_a_checkpoint_evaluated_once_is_copied_not_rerun(tmp_path, monkeypatch):
+    """The KV-sharing table's `ouro` row and the demo's teacher are one evaluation (defaults spelled out or not)."""
+    import json
+
+    import melt_eval.evaluation as evaluation
+
+    generated = []
+
+    def fake_run_tasks(tasks, model, *, results_dir, name, **kwargs):
+        out = results_dir / tasks / "results.json"
+        if not out.exists():  # run_tasks skips a finished task
+            generated.append(name)
+            out.parent.mkdir(parents=True)
+            out.write_text(json.dumps({"model": name, "finished": True}))
+        return [json.loads(out.read_text())]
+
+    monkeypatch.setattr(evaluation, "run_tasks", fake_run_tasks)
+    evaluated: dict = {}
+    ablations.evaluate_once("teacher", tmp_path / "kv" / "ouro", "ouro", "synthetic", evaluated=evaluated,
+                            eval_options={"kv_sharing": None, "share_prompt": False})
+    res = ablations.evaluate_once("teacher", tmp_path / "ouro-tiny", "ouro-tiny", "synthetic", evaluated=evaluated)
+    assert generated == ["ouro"] and res[0]["model"] == "ouro-tiny"
+    ablations.evaluate_once("teacher", tmp_path / "kv" / "last", "last", "synthetic", evaluated=evaluated,
+                            eval_options={"kv_sharing": "last", "share_prompt": True})
+    assert generated == ["ouro", "last"]  # other options: evaluated, not copied
