@@ -134,7 +134,10 @@ def memory_vs_accuracy(rs: ResultSet, out_dir: Path, task: str = "math500", pape
             handles.append(Line2D([], [], marker="o", linestyle="", color="grey",
                                   label="reproduced" + ("" if measured_axis else " (exact, 32,768 tokens)")))
         handles.append(Line2D([], [], marker="o", linestyle="", color=MELT_COLOUR, label="MELT"))
-        ax.legend(handles=handles, fontsize=7, loc="lower right")
+        ax.margins(y=0.12)
+        # below the axes: inside it would cover labelled points
+        ax.legend(handles=handles, fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=len(handles),
+                  frameon=False)
     else:
         ax.text(0.5, 0.5, f"no {task} results yet", transform=ax.transAxes, ha="center")
     return _save(fig, out_dir / "memory_vs_accuracy")
