@@ -150,16 +150,20 @@ def test_gaps_read_n_a_and_compare_prints_the_paper_beside(tmp_path):
     assert aime.count("n/a") == 5 and "\\textbf{50.0}" in aime
 
 
-def test_every_table_and_the_latex_compiles(tmp_path):
+@pytest.mark.parametrize("mode", ["results", "results-with-paper", "paper-only"])
+def test_every_table_and_the_latex_compiles(mode, tmp_path):
     import shutil
     import subprocess
 
-    _result(tmp_path, "melt-1.6b/math500", {"accuracy": 0.9}, model="melt-1.6b")
-    write_report(tmp_path, tmp_path / "r", plots=False)
+    if mode != "paper-only":
+        _result(tmp_path, "melt-1.6b/math500", {"accuracy": 0.9}, model="melt-1.6b")
+        _result(tmp_path, "ablations/gates/mean/aime24", {"pass@1": 0.3, "pass@10": 0.6})
+    write_report(tmp_path, tmp_path / "r", plots=False, paper=mode == "results-with-paper")
     tex = (tmp_path / "r" / "report.tex").read_text()
     for label in ("tab:main", "tab:gates", "tab:components", "tab:kv-sharing", "tab:memory"):
         assert f"\\label{{{label}}}" in tex
-    assert "\\toprule" in tex and "\\bottomrule" in tex and "\\documentclass" in tex
+    assert tex.count("\\toprule") == tex.count("\\bottomrule") == tex.count("\\begin{tabular}") == 5
+    assert "\\documentclass" in tex and "\\usepackage{booktabs}" in tex and tex.rstrip().endswith("\\end{document}")
     if shutil.which("pdflatex") is None:
         pytest.skip("pdflatex not installed: structure checked only")
     run = subprocess.run(["pdflatex", "-interaction=nonstopmode", "-halt-on-error", "report.tex"], cwd=tmp_path / "r",
