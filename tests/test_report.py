@@ -226,7 +226,26 @@ def test_report_cli_writes_figures_to_plots_by_default(tmp_path, monkeypatch):
         assert (tmp_path / "plots" / name).stat().st_size > 1000
 
 
+def test_report_cli_bad_paths_are_one_line_errors(tmp_path, capsys):
+    import sys
+
+    from melt_eval.cli import main
+
+    (tmp_path / "file").write_text("x")
+    for args in (["--results", str(tmp_path / "typo")], ["--results", str(tmp_path), "--output", str(tmp_path / "file")]):
+        old, sys.argv = sys.argv, ["melt-eval", "report", *args]
+        try:
+            with pytest.raises(SystemExit) as exc:
+                main()
+        finally:
+            sys.argv = old
+        err = capsys.readouterr().err
+        assert exc.value.code == 2 and err.startswith("error: ") and err.count("\n") == 1
+    assert not (tmp_path / "report").exists()
+
+
 def test_report_cli_without_results_renders_the_paper(tmp_path):
+    (tmp_path / "none").mkdir()
     res = runner.invoke(app, ["report", "--results", str(tmp_path / "none"), "--output", str(tmp_path / "out"), "--no-plots"])
     assert res.exit_code == 0, res.output
     assert "paper's own tables" in res.output

@@ -92,7 +92,7 @@ def register(app: typer.Typer) -> None:
     def report(
         latex: bool = typer.Option(False, "--latex", help="Write report.tex (booktabs, compiles standalone)."),
         markdown: bool = typer.Option(False, "--markdown", help="Write report.md."),
-        results: Path = typer.Option(Path("results"), "--results", help="Results root written by run/ablate."),
+        results: Optional[Path] = typer.Option(None, "--results", help="Results root written by run/ablate (default results/)."),
         paper: bool = typer.Option(False, "--paper", help="Print the paper's figure and the difference beside each value."),
         output: Optional[Path] = typer.Option(None, "--output", help="Where report.md/.tex go (default RESULTS/report)."),
         plots: bool = typer.Option(True, "--plots/--no-plots", help="Write the memory-vs-accuracy and loops figures."),
@@ -103,6 +103,12 @@ def register(app: typer.Typer) -> None:
         """The paper's tables and figures from whatever results exist (the paper's own with none)."""
         if not latex and not markdown:
             latex = markdown = True  # neither asked for: write both
+        if results is not None and not results.is_dir():  # a typo must not quietly give the paper's tables
+            raise UserError(f"--results {results} is not a directory; pass the folder run/ablate wrote (default results/)")
+        results = results or Path("results")
+        for flag, path in (("--output", output), ("--plots-dir", plots_dir)):
+            if path is not None and path.exists() and not path.is_dir():
+                raise UserError(f"{flag} {path} is a file; pass a directory")
         out = write_report(results, output or results / "report", latex=latex, markdown=markdown, paper=paper,
                            plots=plots, plot_task=plot_task,
                            plots_dir=plots_dir or (None if output else Path("plots")))
