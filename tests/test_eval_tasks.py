@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -64,8 +65,6 @@ def test_hle_subset_is_fixed_text_only_and_scored_by_answer_type(tmp_path):
 def test_custom_tasks_module_loads_in_lighteval_registry_without_name_conflicts(monkeypatch):
     """`--custom-tasks tasks/melt_tasks.py` through LightEval's own Registry, next to every built-in task
     (but the modules that reach the Hub or the web at import, which cannot load offline)."""
-    from pathlib import Path
-
     from lighteval.tasks.registry import Registry
 
     networked = ("tiny_benchmarks", "mt_bench", "mix_eval")  # mix_eval: a Hub API call LightEval 0.13 makes wrongly
@@ -82,3 +81,18 @@ def test_custom_tasks_module_loads_in_lighteval_registry_without_name_conflicts(
     config = registry.task_to_configs["melt_mmlu_redux:anatomy"][0]
     doc = config.prompt_function({"question": "Q?", "choices": ["a", "b", "c", "d"], "answer": 2}, "t")
     assert "about anatomy" in doc.query and doc.gold_index == 2
+
+
+def test_prompts_are_built_by_lightevals_prompt_manager_with_the_chat_template():
+    """The model sees LightEval's prompt: the task's instruction (HLE's answer format) and the chat template."""
+    from melt_eval.evaluation.hle import hle_prompt
+    from melt_eval.evaluation.lighteval_model import CompletionStore, HarnessModel, ReplayBackend, SamplingSettings
+    from melt_eval.modeling.loading import load_tokenizer
+    from melt_eval.registry import resolve_model_dir
+
+    tok = load_tokenizer(resolve_model_dir("tiny-random-melt"))
+    model = HarnessModel("m", tok, ReplayBackend(), SamplingSettings(1, 1.0, 0.7, 8, 0), CompletionStore(Path("/nonexistent")))
+    doc = hle_prompt({"id": "q", "question": "What is 2+2?", "answer": "4", "answer_type": "exactMatch", "image": ""})
+    text = tok.decode(model.encode(doc))
+    assert "Confidence:" in text and "What is 2+2?" in text
+    assert text.startswith("<|im_start|>user") and text.rstrip().endswith("<|im_start|>assistant")

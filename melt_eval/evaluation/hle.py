@@ -3,7 +3,8 @@
 Subset: the questions without an image, ordered by sha256 of their id, the first 300. The order
 depends only on the ids, so the subset is the same on every machine and for every model.
 
-Scoring: the model is asked to end with `Answer: ...`. Multiple-choice questions compare the
+Prompt: LightEval's (the question, with its "Explanation / Answer / Confidence" format as the
+instruction). Scoring: the `Answer: ...` line. Multiple-choice questions compare the
 letter; exact-match questions compare with math-verify (numbers, expressions, LaTeX) and, failing
 that, the normalised strings (case, spaces and trailing punctuation ignored).
 """
@@ -15,6 +16,7 @@ import json
 import re
 
 from lighteval.tasks.requests import Doc
+from lighteval.tasks.tasks.hle import hle_text_only
 
 SUBSET_SIZE = 300
 ANSWER = re.compile(r"answer\s*:\s*(.+)", re.IGNORECASE)
@@ -26,11 +28,11 @@ def select_subset(rows: list[dict]) -> list[dict]:
 
 
 def hle_prompt(line: dict, task_name: str | None = None) -> Doc:
-    kind = line.get("answer_type", "exactMatch")
-    query = (f"{line['question']}\n\nThink step by step, then give your final answer on the last line as "
-             f"'Answer: {'LETTER' if kind == 'multipleChoice' else 'ANSWER'}'.")
-    gold = json.dumps({"answer": str(line["answer"]), "type": kind})
-    return Doc(task_name=task_name, query=query, choices=[gold], gold_index=0)
+    """LightEval's HLE prompt (the question; its answer format as the instruction), with a gold that also
+    carries the answer type for judge-free scoring."""
+    doc = hle_text_only({**line, "image": ""}, task_name)  # the subset is text-only already
+    doc.choices = [json.dumps({"answer": str(line["answer"]), "type": line.get("answer_type", "exactMatch")})]
+    return doc
 
 
 def final_answer(text: str) -> str | None:

@@ -1,6 +1,8 @@
 """The harness's LightevalModel: LightEval's Pipeline asks it for completions, a backend makes them.
 
-Backends turn chat-formatted prompts (token ids) into `n` sampled texts each:
+Prompts are LightEval's: its PromptManager joins the task's instruction and query and applies the
+model's chat template, as it does for its own local models (a tokenizer without a template gets
+the plain-text form). Backends turn those prompts (token ids) into `n` sampled texts each:
 
 * `NativeBackend`: LoopLM and MELT through the native engine (`melt_eval.generation`), any other
   transformers causal LM through its own `generate`;
@@ -260,7 +262,7 @@ class HarnessModel(LightevalModel):
         step = self.backend.problems_per_batch(self.settings.samples)
         for start in range(0, len(todo), step):
             idx = todo[start : start + step]
-            prompts = [self.encode_chat(docs[i].query) for i in idx]
+            prompts = [self.encode(docs[i]) for i in idx]
             seeds = [problem_seed(self.settings.seed, keys[i]) for i in idx]
             batch = self.backend.generate(prompts, seeds, self.settings, self.eos_ids)
             for i, texts, tokens in zip(idx, batch.texts, batch.tokens):
@@ -280,15 +282,14 @@ class HarnessModel(LightevalModel):
         pass
 
     # helpers --------------------------------------------------------------------------------------
-    def encode_chat(self, query: str) -> list[int]:
-        messages = ([{"role": "system", "content": self.system_prompt}] if self.system_prompt else []) + [
-            {"role": "user", "content": query}
-        ]
-        if not getattr(self._tokenizer, "chat_template", None):
-            # a base model without a chat template gets the bare prompt, as LightEval gives it
-            return self._tokenizer.encode(query, add_special_tokens=True)
-        text = self._tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        return self._tokenizer.encode(text, add_special_tokens=False)
+    def encode(self, doc: Doc) -> list[int]:
+        """The prompt exactly as LightEval builds it for a local model (its PromptManager: system prompt,
+        the task's instruction, the model's chat template); plain text where the tokenizer has no template."""
+        from lighteval.tasks.prompt_manager import PromptManager
+
+        chat = bool(getattr(self._tokenizer, "chat_template", None))
+        text = PromptManager(use_chat_template=chat, tokenizer=self._tokenizer, system_prompt=self.system_prompt).prepare_prompt(doc)
+        return self._tokenizer.encode(text, add_special_tokens=not chat)
 
     @staticmethod
     def _eos_ids(tokenizer) -> list[int]:
