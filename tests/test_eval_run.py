@@ -306,3 +306,15 @@ def test_vllm_backend_runs_the_harness(tmp_path):
     assert result["generated_tokens"] > 0 and result["peak_cache_bytes"] > 0
     details = (tmp_path / "tiny-random-ouro" / "synthetic" / "details.jsonl").read_text().splitlines()
     assert len(details) == 3 and all(len(json.loads(d)["completions"]) == 2 for d in details)
+
+
+def test_checkpoint_directory_runs_under_its_directory_name(tmp_path):
+    import shutil
+
+    from melt_eval.registry import resolve_model_dir
+
+    ckpt = tmp_path / "my-llama"
+    shutil.copytree(resolve_model_dir("tiny-random-llama"), ckpt)
+    [result] = run_tasks("synthetic", str(ckpt), output=tmp_path / "out", **{**TINY, "max_problems": 2})
+    assert result["model"] == "my-llama" and result["model_path"] == str(ckpt)
+    assert (tmp_path / "out" / "my-llama" / "synthetic" / "results.json").exists()
