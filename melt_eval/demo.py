@@ -114,7 +114,7 @@ def run_demo(output: Path, quick: bool = False, progress: bool = True) -> dict:
 def register(app: typer.Typer) -> None:
     @app.command()
     def demo(
-        quick: bool = typer.Option(False, "--quick", help="Smaller everything (under 3 minutes; for CI)."),
+        quick: bool = typer.Option(False, "--quick", help="Smaller everything, for CI (its numbers mean nothing)."),
         output: Optional[Path] = typer.Option(None, help="Where runs, results and the report go (default demo/ or demo-quick/)."),
         progress: bool = typer.Option(True, "--progress/--no-progress"),
     ) -> None:
