@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-BUILD_VERSION = 1  # bump when a builder changes, so cached copies are rebuilt
+BUILD_VERSION = 2  # bump when a builder changes, so cached copies are rebuilt
 SEED = 0
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|pad|>"]
 CHAT_TEMPLATE = (
@@ -27,6 +27,7 @@ CHAT_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
+CHAT_TEMPLATE_TEXT = "user\n{problem}\nassistant\n\\boxed{{{answer}}}\n"  # the template's text, special tokens aside
 TINY_DIMS = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2, head_dim=64)
 
 
@@ -43,6 +44,12 @@ def _corpus(n_lines: int = 4000) -> list[str]:
         lines.append(f"{rng.choice(words)} {a} {op} {b} = {eval(f'{a}{op}{b}')} so \\boxed{{{a}}}.")
         lines.append(" ".join(rng.choice(words) for _ in range(rng.randint(3, 12))))
         lines.append(f"x = {a}; y = x + {b}; z = y * 2. What is z? \\boxed{{{2 * (a + b)}}}")
+    # The demo's synthetic task in its chat form (train split only), so that its problems and the
+    # template's role names take few tokens: training and decoding cost grow with the length.
+    from melt_eval.training.synthetic import make_split
+
+    for item in make_split("train", n_lines // 2, seed=SEED, num_steps=(1, 3)):
+        lines.append(CHAT_TEMPLATE_TEXT.format(problem=item["problem"], answer=item["answer"]))
     return lines
 
 
