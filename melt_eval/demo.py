@@ -42,12 +42,13 @@ QUICK = DemoSize(pretrain={"max_steps": 100, "batch_tokens": 2048, "micro_batch_
 EVAL = dict(samples=16, temperature=1.0, top_p=0.7, seed=0)
 
 
-def _prefill_chunk() -> int:
-    """Prompts are prefilled in chunks of the MELT recipes' training chunk (MELT.md: prefill uses the
-    training rule); decoding is exact. Ouro is unaffected (its per-loop cache makes chunks irrelevant)."""
+def eval_settings(size: DemoSize) -> dict:
+    """`run_tasks` options for every model of the demo. Prompts are prefilled in chunks of the MELT
+    recipes' training chunk (MELT.md: prefill follows the training rule) and decoding is exact; Ouro is
+    unaffected, its per-loop cache makes chunks irrelevant."""
     from melt_eval.training.config import load_recipe
 
-    return load_recipe("tiny-phase1").chunk_size
+    return dict(EVAL, max_problems=size.problems, prefill_chunk=load_recipe("tiny-phase1").chunk_size)
 
 
 def run_demo(output: Path, quick: bool = False, progress: bool = True) -> dict:
@@ -55,7 +56,7 @@ def run_demo(output: Path, quick: bool = False, progress: bool = True) -> dict:
     started = time.perf_counter()
     runs, results = output / "runs", output / "results"
     evaluated: dict = {}
-    ev = dict(EVAL, max_problems=size.problems, prefill_chunk=_prefill_chunk())
+    ev = eval_settings(size)
 
     stages: dict[str, float] = {}  # wall seconds per stage (a cached stage takes seconds)
     current = ["", started]

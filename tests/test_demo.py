@@ -8,6 +8,7 @@ import pytest
 from typer.testing import CliRunner
 
 from melt_eval.cli import app
+from melt_eval.training.config import load_recipe
 
 TABLES = ["### Main comparison", "### Gate ablation", "### Component removal", "### Untrained KV sharing",
           "### Memory", "### Other tasks"]
@@ -51,6 +52,8 @@ def test_every_variant_has_finished_results(quick_demo):
             r = json.loads((results / "ablations" / ablation / v / "synthetic" / "results.json").read_text())
             assert r["finished"] and r["settings"]["samples"] == 16 and r["settings"]["top_p"] == 0.7
             assert r["settings"]["temperature"] == 1.0 and set(r["metrics"]) == {"pass@1", "pass@10"}
+            # prompts are prefilled with the chunk the MELT runs were trained with, for every model alike
+            assert r["settings"]["prefill_chunk"] == load_recipe("tiny-phase1").chunk_size
     melt = json.loads((results / "melt-tiny" / "synthetic" / "results.json").read_text())
     ouro = json.loads((results / "ouro-tiny" / "synthetic" / "results.json").read_text())
     assert ouro["peak_cache_bytes"] == 4 * melt["peak_cache_bytes"]  # same prompts, T = 4: a quarter of the cache
@@ -69,3 +72,17 @@ def test_second_run_only_re_renders(quick_demo, monkeypatch):
     res = CliRunner().invoke(app, ["demo", "--quick", "--output", str(quick_demo), "--no-progress"])
     assert res.exit_code == 0, res.output + repr(res.exception)
     assert (quick_demo / "results" / "melt-tiny" / "synthetic" / "results.json").read_text() == before
+
+
+@pytest.mark.slow
+def test_full_demo_teacher_reaches_half_pass_at_1(tmp_path):
+    """The full demo's teacher, trained by its recipe and evaluated as the demo evaluates it, answers at
+    least half of the test problems per sample (pass@1 >= 0.5): the demo's numbers rest on it (~6 min)."""
+    from melt_eval import ablations, demo
+    from melt_eval.evaluation import run_tasks
+
+    teacher = ablations.train_run(ablations.TrainRun(0, "pretrain-tiny", dict(demo.FULL.pretrain), "tiny-random-ouro"),
+                                  tmp_path / "runs", progress=False)
+    [result] = run_tasks(demo.TASK, str(teacher), results_dir=tmp_path / "results", progress=False,
+                         **demo.eval_settings(demo.FULL))
+    assert result["metrics"]["pass@1"]["value"] >= 0.5, result["metrics"]

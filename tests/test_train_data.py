@@ -113,3 +113,12 @@ def test_collate_pads_right(tok):
         n = len(e.input_ids)
         assert b["input_ids"][r, :n].tolist() == e.input_ids and b["attention_mask"][r].sum() == n
         assert not b["attention_mask"][r, n:].any() and not b["loss_mask"][r, n:].any()
+
+
+def test_tiny_tokenizer_keeps_the_demo_task_short(tok):
+    """The demo's training and decoding time grow with sequence length: the tiny tokenizer learned the
+    task's chat form, so a rendered problem with its answer stays near 35 tokens, roles one token each."""
+    lengths = [len(encode_chat(tok, synthetic.to_messages(x), 64)[0])
+               for x in synthetic.make_split("test", 200, seed=0, num_steps=(1, 2))]
+    assert max(lengths) <= 36, max(lengths)
+    assert tok.tokenize("user") == ["user"] and tok.tokenize("assistant") == ["assistant"]
