@@ -68,7 +68,7 @@ class Variant:
     ablation: str
     name: str
     train: list[TrainRun] = field(default_factory=list)
-    base: str = ""  # evaluated as is when there is no training
+    base: "str | TrainRun" = ""  # evaluated as is when there is no training
     eval_options: dict = field(default_factory=dict)
 
     @property
@@ -78,8 +78,13 @@ class Variant:
         return f"{PAPER_GPU_HOURS['full' if len(self.train) == 2 else 'phase1-only']:,} GPU-h (paper)"
 
 
-def plan(ablation: str, preset: str = "paper", base: str | None = None, train_overrides: dict | None = None) -> list[Variant]:
-    """The variants of one ablation; `train_overrides` (e.g. max_steps) apply to every training run."""
+def plan(ablation: str, preset: str = "paper", base: "str | TrainRun | None" = None,
+         train_overrides: dict | None = None) -> list[Variant]:
+    """The variants of one ablation; `train_overrides` (e.g. max_steps) apply to every training run.
+
+    `base` is a model name or path, or the TrainRun that makes it (the demo's teacher): run ids then
+    chain through run ids, not through however the caller spelled the base model's path.
+    """
     if ablation not in ABLATIONS:
         raise UserError(f"unknown ablation {ablation!r}; choose one of {', '.join(ABLATIONS)}")
     if preset not in PRESETS:
@@ -119,7 +124,8 @@ def _train_command(run: TrainRun, runs_dir: Path) -> str:
 
 
 def _eval_model(variant: Variant, runs_dir: Path) -> str:
-    return str(runs_dir / variant.train[-1].run_id) if variant.train else variant.base
+    made_by = variant.train[-1] if variant.train else variant.base
+    return str(runs_dir / made_by.run_id) if isinstance(made_by, TrainRun) else made_by
 
 
 def _eval_command(variant: Variant, runs_dir: Path, output: Path, tasks: str, backend: str) -> str:
@@ -153,7 +159,8 @@ def _train_status(run_dir: Path) -> str:
 
 
 def train_run(run: TrainRun, runs_dir: Path, progress: bool = True) -> Path:
-    """Train one run unless it has finished; resume it if it was interrupted."""
+    """Train one run unless it has finished; resume it if it was interrupted. Returns runs_dir/<run id>,
+    spelled as runs_dir is, trained now or earlier (results record it as their model path)."""
     from melt_eval.training import run_recipe
 
     out = runs_dir / run.run_id
@@ -161,8 +168,8 @@ def train_run(run: TrainRun, runs_dir: Path, progress: bool = True) -> Path:
     if status == "done":
         return out
     start = train_run(run.start, runs_dir, progress) if isinstance(run.start, TrainRun) else run.start
-    return run_recipe(run.recipe, str(start), out, overrides=dict(run.overrides), resume=status == "resume",
-                      progress=progress)
+    run_recipe(run.recipe, str(start), out, overrides=dict(run.overrides), resume=status == "resume", progress=progress)
+    return out
 
 
 def evaluate_once(model: str, results_dir: Path, name: str, tasks: str, *, evaluated: dict, eval_options: dict | None = None,

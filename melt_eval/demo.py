@@ -74,7 +74,7 @@ def run_demo(output: Path, quick: bool = False, progress: bool = True) -> dict:
     teacher = str(ablations.train_run(teacher_run, runs, progress))
 
     say("melt+ablations", "[2/4] MELT and the ablations: gates, component ladder, untrained KV sharing")
-    variants = [v for a in ablations.ABLATIONS for v in ablations.plan(a, "tiny", teacher, size.melt)]
+    variants = [v for a in ablations.ABLATIONS for v in ablations.plan(a, "tiny", teacher_run, size.melt)]
     ablations.run_variants(variants, runs_dir=runs, output=results, tasks=TASK, eval_kwargs=ev, progress=progress,
                            evaluated=evaluated)
     full = next(v for v in variants if v.ablation == "components" and v.name == "full")

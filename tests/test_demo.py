@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 from typer.testing import CliRunner
@@ -17,7 +18,12 @@ TABLES = ["### Main comparison", "### Gate ablation", "### Component removal", "
 @pytest.fixture(scope="module")
 def quick_demo(tmp_path_factory):
     out = tmp_path_factory.mktemp("demo")
-    res = CliRunner().invoke(app, ["demo", "--quick", "--output", str(out), "--no-progress"])
+    cwd = os.getcwd()
+    os.chdir(out.parent)  # a relative --output, as the default demo/ is
+    try:
+        res = CliRunner().invoke(app, ["demo", "--quick", "--output", out.name, "--no-progress"])
+    finally:
+        os.chdir(cwd)
     assert res.exit_code == 0, res.output + repr(res.exception)
     return out
 
@@ -69,6 +75,7 @@ def test_second_run_only_re_renders(quick_demo, monkeypatch):
     monkeypatch.setattr(runner, "train", refuse)
     monkeypatch.setattr(lm.NativeBackend, "generate", refuse)
     before = (quick_demo / "results" / "melt-tiny" / "synthetic" / "results.json").read_text()
+    # the same directory spelled another way (absolute): still the same runs and results
     res = CliRunner().invoke(app, ["demo", "--quick", "--output", str(quick_demo), "--no-progress"])
     assert res.exit_code == 0, res.output + repr(res.exception)
     assert (quick_demo / "results" / "melt-tiny" / "synthetic" / "results.json").read_text() == before

@@ -182,7 +182,9 @@ def versions() -> dict:
 
 
 def _config_hash(config) -> str:
-    return hashlib.sha256(config.to_json_string(use_diff=False).encode()).hexdigest()[:16]
+    """The architecture's fingerprint; `_name_or_path` is left out, it is how the directory was spelled."""
+    fields = {k: v for k, v in config.to_dict().items() if k != "_name_or_path"}
+    return hashlib.sha256(json.dumps(fields, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
 IDENTITY = ("task", "model_path", "config_hash", "settings")  # what a run computes; the display name is a label
@@ -358,7 +360,7 @@ def run_tasks(
                 "kv_sharing": kv_sharing, "share_prompt": share_prompt, "prefill_chunk": prefill_chunk,
                 "max_problems": max_problems,
             }
-            identity = {"model": loaded.display, "task": task, "model_path": str(loaded.model_dir),
+            identity = {"model": loaded.display, "task": task, "model_path": str(loaded.model_dir.resolve()),
                         "config_hash": loaded.config_hash, "settings": run_settings}
             if not force and (done := read_finished(task_dir, identity)):
                 out.append(done)
