@@ -160,7 +160,7 @@ def _train_status(run_dir: Path) -> str:
 
 def train_run(run: TrainRun, runs_dir: Path, progress: bool = True) -> Path:
     """Train one run unless it has finished; resume it if it was interrupted. Returns runs_dir/<run id>,
-    spelled as runs_dir is, trained now or earlier (results record it as their model path)."""
+    spelled as runs_dir is, whether it trained now or earlier."""
     from melt_eval.training import run_recipe
 
     out = runs_dir / run.run_id
