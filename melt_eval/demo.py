@@ -51,6 +51,11 @@ def eval_settings(size: DemoSize) -> dict:
     return dict(EVAL, max_problems=size.problems, prefill_chunk=load_recipe("tiny-phase1").chunk_size)
 
 
+def teacher_run(size: DemoSize) -> TrainRun:
+    """The teacher `ouro-tiny`: recipe pretrain-tiny from scratch on the tiny-random-ouro architecture."""
+    return TrainRun(0, "pretrain-tiny", dict(size.pretrain), "tiny-random-ouro")
+
+
 def run_demo(output: Path, quick: bool = False, progress: bool = True) -> dict:
     size = QUICK if quick else FULL
     started = time.perf_counter()
@@ -70,11 +75,11 @@ def run_demo(output: Path, quick: bool = False, progress: bool = True) -> dict:
             typer.secho(msg, bold=True)
 
     say("teacher", "[1/4] the teacher: ouro-tiny, a LoopLM trained from scratch on the synthetic task")
-    teacher_run = TrainRun(0, "pretrain-tiny", dict(size.pretrain), "tiny-random-ouro")
-    teacher = str(ablations.train_run(teacher_run, runs, progress))
+    teacher_made_by = teacher_run(size)
+    teacher = str(ablations.train_run(teacher_made_by, runs, progress))
 
     say("melt+ablations", "[2/4] MELT and the ablations: gates, component ladder, untrained KV sharing")
-    variants = [v for a in ablations.ABLATIONS for v in ablations.plan(a, "tiny", teacher_run, size.melt)]
+    variants = [v for a in ablations.ABLATIONS for v in ablations.plan(a, "tiny", teacher_made_by, size.melt)]
     ablations.run_variants(variants, runs_dir=runs, output=results, tasks=TASK, eval_kwargs=ev, progress=progress,
                            evaluated=evaluated)
     full = next(v for v in variants if v.ablation == "components" and v.name == "full")

@@ -84,12 +84,11 @@ def test_second_run_only_re_renders(quick_demo, monkeypatch):
 @pytest.mark.slow
 def test_full_demo_teacher_reaches_half_pass_at_1(tmp_path):
     """The full demo's teacher, trained by its recipe and evaluated as the demo evaluates it, answers at
-    least half of the test problems per sample (pass@1 >= 0.5): the demo's numbers rest on it (~6 min)."""
+    least half of the test problems per sample (pass@1 >= 0.5): the demo's numbers rest on it (~5 min)."""
     from melt_eval import ablations, demo
     from melt_eval.evaluation import run_tasks
 
-    teacher = ablations.train_run(ablations.TrainRun(0, "pretrain-tiny", dict(demo.FULL.pretrain), "tiny-random-ouro"),
-                                  tmp_path / "runs", progress=False)
+    teacher = ablations.train_run(demo.teacher_run(demo.FULL), tmp_path / "runs", progress=False)
     [result] = run_tasks(demo.TASK, str(teacher), results_dir=tmp_path / "results", progress=False,
                          **demo.eval_settings(demo.FULL))
     assert result["metrics"]["pass@1"]["value"] >= 0.5, result["metrics"]
