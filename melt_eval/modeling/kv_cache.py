@@ -1,24 +1,29 @@
 """Key/value storage and the attention rule of each looped variant.
 
 A looped forward processes tokens a chunk at a time (MELT.md "Chunks"). For every
-(layer, loop) the chunk's current keys/values are handed to a *policy*, which returns
-what the chunk attends to: the stored entries of earlier tokens followed by the
-chunk's own current entries. When the chunk has run all T loops, `advance(c)` makes
-its entries permanent.
+(layer, loop) the chunk's current keys/values are handed to a *policy*, which picks the
+store key they belong to; the store writes them into the chunk's slots (right after the
+entries of earlier tokens) and attends over everything up to them. A later loop writing
+the same key overwrites those slots: that *is* MELT's "the current token's slot is
+overwritten at every loop". When the chunk has run all T loops, `commit` makes its
+final entries permanent and moves the fill pointer.
 
-Two stores hold the tensors, with the same two operations:
+Two stores, one rule:
 
-- `ConcatStore` (training, teacher-forced forward): functional `torch.cat`, so
-  autograd sees every loop's entries.
-- `StaticStore` (generation): preallocated buffers. `attend` writes the current
-  entries into the next free slots and returns a view up to them; a later loop
-  writing the same key overwrites those slots. That *is* MELT's "the current token's
-  slot is overwritten at every loop": after loop T the slot holds the final entry,
-  and `advance` only moves the fill pointer.
+- `TrainingKVBuffer` (teacher-forced forward, training): one preallocated [B, kv_heads, L,
+  head_dim] buffer per key. Earlier tokens are read in place, never copied, so the
+  activation memory of chunk-wise training is O(L) whatever the number of chunks. The
+  autograd link from a chunk's attention back to the earlier chunks that produced its
+  prefix goes through a gradient buffer (`_PrefixAttention`, `_Commit`), like
+  ring-flash-attention's per-block backward: the backward of a chunk's attention adds
+  the prefix's gradient into the buffer, and the backward of an earlier chunk's commit
+  hands its slots' gradient to the tensors it stored. A token threaded from each commit
+  into every later attention orders the backward so a commit runs after all its readers.
+- `StaticStore` (generation): preallocated buffers with batch-row views, no autograd.
 
-Keys: `(layer, loop)` for a per-loop cache (Ouro: T x N entries per token), `layer`
-for a shared cache (MELT: N entries per token). With a per-loop key every loop keeps
-its own entries; with a shared key the last write (loop T) is what later tokens see.
+Keys: `(layer, loop)` for a per-loop cache (Ouro: T x N entries per token), `layer` for a
+shared cache (MELT: N entries per token), `("mix", layer, loop)` for phase 1's
+interpolated cache (alpha < 1).
 """
 
 from __future__ import annotations
@@ -26,37 +31,145 @@ from __future__ import annotations
 from typing import Hashable
 
 import torch
+import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 
 Tensor = torch.Tensor
 
 
-class ConcatStore:
-    """Growing key/value lists; differentiable. Tensors are [B, kv_heads, S, head_dim]."""
+def chunk_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None) -> Tensor:
+    """Attention of a chunk's c queries [B, H, c, hd] over S = past + c keys [B, KVH, S, hd].
 
-    def __init__(self) -> None:
-        self.past: dict[Hashable, tuple[Tensor, Tensor]] = {}
-        self.pending: dict[Hashable, tuple[Tensor, Tensor]] = {}
+    Without an explicit mask this is the bottom-right-aligned causal rule (the chunk sees all
+    earlier tokens and itself causally): `is_causal` when there is no past, and
+    `causal_lower_right` otherwise, which CUDA's flash/efficient kernels run without a mask
+    tensor. `mask` [B|1, 1, c, S] is for generation over padded rows only.
+    """
+    c, s = q.shape[2], k.shape[2]
+    gqa = q.shape[1] != k.shape[1]
+    if mask is not None or c == 1:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+    if c == s:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+    if gqa:  # the lower-right kernels take equal head counts
+        rep = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(c, s))
+
+
+class _PrefixAttention(torch.autograd.Function):
+    """A chunk's attention over the stored prefix (read in place) and its own k, v.
+
+    Saves only the chunk's q, k, v; the backward rebuilds [prefix, k] transiently,
+    recomputes the attention, and adds the prefix's gradient into the store's gradient
+    buffer (the earlier chunks' `_Commit` backward collects it).
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, token, store, key, past):
+        kb, vb = store.write(key, k, v, past)
+        end = past + k.shape[2]
+        ctx.save_for_backward(q, k, v)
+        ctx.store, ctx.key, ctx.past = store, key, past
+        return chunk_attention(q, kb[:, :, :end], vb[:, :, :end])
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v = ctx.saved_tensors
+        store, key, past = ctx.store, ctx.key, ctx.past
+        kb, vb = store.buffers[key]
+        with torch.enable_grad():
+            q_ = q.detach().requires_grad_()
+            k_all = torch.cat([kb[:, :, :past], k.detach()], dim=2).requires_grad_()
+            v_all = torch.cat([vb[:, :, :past], v.detach()], dim=2).requires_grad_()
+            out = chunk_attention(q_, k_all, v_all)
+            dq, dk, dv = torch.autograd.grad(out, (q_, k_all, v_all), grad_out)
+        gk, gv = store.grad_buffers(key)
+        gk[:, :, :past] += dk[:, :, :past]
+        gv[:, :, :past] += dv[:, :, :past]
+        return dq, dk[:, :, past:], dv[:, :, past:], torch.zeros(()), None, None, None
+
+
+class _Commit(torch.autograd.Function):
+    """Store a chunk's final entries; in backward, return the gradient later chunks left in their slots."""
+
+    @staticmethod
+    def forward(ctx, token, store, keys, start, end, *finals):
+        for i, key in enumerate(keys):
+            store.write(key, finals[2 * i], finals[2 * i + 1], start)
+        ctx.store, ctx.keys, ctx.start, ctx.end = store, keys, start, end
+        return torch.zeros(())
+
+    @staticmethod
+    def backward(ctx, grad_token):
+        store, start, end = ctx.store, ctx.start, ctx.end
+        grads = []
+        for key in ctx.keys:
+            if key not in store.grads:  # no later chunk read this key (a single-chunk pass)
+                grads += [None, None]
+                continue
+            gk, gv = store.grads[key]
+            # taken out, so a second backward through a retained graph starts from zero
+            grads += [gk[:, :, start:end].clone(), gv[:, :, start:end].clone()]
+            gk[:, :, start:end] = 0
+            gv[:, :, start:end] = 0
+        return (torch.zeros(()) if ctx.needs_input_grad[0] else None, None, None, None, None, *grads)
+
+
+class TrainingKVBuffer:
+    """Per-key buffers [B, kv_heads, capacity, head_dim] for a teacher-forced pass over L tokens."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.buffers: dict[Hashable, tuple[Tensor, Tensor]] = {}
+        self.grads: dict[Hashable, tuple[Tensor, Tensor]] = {}
         self.length = 0
+        self.token: Tensor | None = None  # output of the latest differentiable commit
 
-    def attend(self, key: Hashable, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        self.pending[key] = (k, v)  # a later loop with the same key replaces this
-        if key not in self.past:
-            return k, v
-        pk, pv = self.past[key]
-        return torch.cat([pk, k], dim=2), torch.cat([pv, v], dim=2)
+    def write(self, key: Hashable, k: Tensor, v: Tensor, start: int) -> tuple[Tensor, Tensor]:
+        if key not in self.buffers:
+            shape = (k.shape[0], k.shape[1], self.capacity, k.shape[3])
+            self.buffers[key] = (k.new_empty(shape), v.new_empty(shape))
+        kb, vb = self.buffers[key]
+        with torch.no_grad():
+            kb[:, :, start : start + k.shape[2]] = k
+            vb[:, :, start : start + v.shape[2]] = v
+        return kb, vb
 
-    def advance(self, c: int) -> None:
-        for key, (k, v) in self.pending.items():
-            if key in self.past:
-                pk, pv = self.past[key]
-                k, v = torch.cat([pk, k], dim=2), torch.cat([pv, v], dim=2)
-            self.past[key] = (k, v)
-        self.pending.clear()
+    def grad_buffers(self, key: Hashable) -> tuple[Tensor, Tensor]:
+        if key not in self.grads:
+            kb, vb = self.buffers[key]
+            self.grads[key] = (torch.zeros_like(kb), torch.zeros_like(vb))
+        return self.grads[key]
+
+    def attend(self, key: Hashable, q: Tensor, k: Tensor, v: Tensor, past: int, token: Tensor | None,
+               mask: Tensor | None = None) -> Tensor:
+        """Attention output heads [B, H, c, hd] of the chunk at columns [past, past + c)."""
+        if past == 0:  # nothing stored before: plain autograd; the slots are filled for later chunks
+            self.write(key, k.detach(), v.detach(), 0)
+            return chunk_attention(q, k, v)
+        if token is None:  # no graph to link (no grad, or a prefix that needs none)
+            kb, vb = self.write(key, k, v, past)
+            return chunk_attention(q, kb[:, :, : past + k.shape[2]], vb[:, :, : past + v.shape[2]])
+        return _PrefixAttention.apply(q, k, v, token, self, key, past)
+
+    def commit(self, finals: dict[Hashable, tuple[Tensor, Tensor]], c: int) -> None:
+        """The chunk's final entries become the prefix of later chunks."""
+        start = self.length
         self.length += c
+        if self.length >= self.capacity:
+            return  # the last chunk: nobody reads its entries
+        keys = list(finals)
+        flat = [t for key in keys for t in finals[key]]
+        if torch.is_grad_enabled() and any(t.requires_grad for t in flat):
+            self.token = _Commit.apply(self.token, self, keys, start, self.length, *flat)
+        else:
+            for key in keys:
+                self.write(key, *finals[key], start)
 
     @property
     def nbytes(self) -> int:
-        return sum(k.nbytes + v.nbytes for k, v in self.past.values())
+        return sum(k.nbytes + v.nbytes for k, v in self.buffers.values())
 
 
 class StaticStore:
@@ -70,6 +183,7 @@ class StaticStore:
         }
         self.capacity = capacity
         self.length = 0
+        self.token = None
 
     @classmethod
     def view_of(cls, other: "StaticStore", rows: slice, start: int) -> "StaticStore":
@@ -78,16 +192,23 @@ class StaticStore:
         store.buffers = {key: (k[rows, :, start:], v[rows, :, start:]) for key, (k, v) in other.buffers.items()}
         store.capacity = other.capacity - start
         store.length = 0
+        store.token = None
         return store
 
-    def attend(self, key: Hashable, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        end = self.length + k.shape[2]
+    def write(self, key: Hashable, k: Tensor, v: Tensor, start: int) -> tuple[Tensor, Tensor]:
+        end = start + k.shape[2]
         if end > self.capacity:
             raise RuntimeError(f"KV cache full: {end} > capacity {self.capacity}")
         kb, vb = self.buffers[key]
-        kb[:, :, self.length : end] = k
-        vb[:, :, self.length : end] = v
-        return kb[:, :, :end], vb[:, :, :end]
+        kb[:, :, start:end] = k
+        vb[:, :, start:end] = v
+        return kb, vb
+
+    def attend(self, key: Hashable, q: Tensor, k: Tensor, v: Tensor, past: int, token=None,
+               mask: Tensor | None = None) -> Tensor:
+        kb, vb = self.write(key, k, v, past)
+        end = past + k.shape[2]
+        return chunk_attention(q, kb[:, :, :end], vb[:, :, :end], mask)
 
     def view(self, key: Hashable) -> tuple[Tensor, Tensor]:
         kb, vb = self.buffers[key]
@@ -98,8 +219,8 @@ class StaticStore:
             kb[dst] = kb[src]
             vb[dst] = vb[src]
 
-    def advance(self, c: int) -> None:
-        self.length += c
+    def commit(self, finals, c: int) -> None:
+        self.length += c  # the slots already hold the last loop's (final) entries
 
     @property
     def nbytes(self) -> int:
@@ -107,6 +228,9 @@ class StaticStore:
 
 
 # --- policies: which entries a chunk attends to at (layer, loop) -------------------------------
+#
+# `key_value(layer, loop, base, melt)` gives the store key and the chunk's current entries;
+# `final(layer, loop, base, melt)` records what the chunk leaves behind for later tokens.
 
 
 class PerLoopKV:
@@ -116,16 +240,24 @@ class PerLoopKV:
 
     def __init__(self, store) -> None:
         self.store = store
+        self.finals: dict = {}
 
     @property
     def past_length(self) -> int:
         return self.store.length
 
-    def kv(self, layer, loop, base, melt):
-        return self.store.attend((layer, loop), *base)
+    def key_value(self, layer, loop, base, melt):
+        return (layer, loop), base
+
+    def record(self, layer, loop, base, melt) -> None:
+        self.finals[(layer, loop)] = base
+
+    def attend(self, key, q, kv, past, token, mask=None) -> Tensor:
+        return self.store.attend(key, q, *kv, past, token, mask)
 
     def advance(self, c: int) -> None:
-        self.store.advance(c)
+        self.store.commit(self.finals, c)
+        self.finals = {}
 
 
 class SharedKV(PerLoopKV):
@@ -133,15 +265,19 @@ class SharedKV(PerLoopKV):
 
     needs_base, needs_melt = False, True
 
-    def kv(self, layer, loop, base, melt):
-        return self.store.attend(layer, *melt)
+    def key_value(self, layer, loop, base, melt):
+        return layer, melt
+
+    def record(self, layer, loop, base, melt) -> None:
+        self.finals[layer] = melt  # the last loop's write wins
 
 
 class InterpolatedKV(PerLoopKV):
     """Phase-1 transition: KV = alpha * KV_MELT + (1 - alpha) * KV_base, for every entry.
 
-    Both caches are kept: the base one per (layer, loop) as Ouro, the MELT one per layer.
-    alpha = 0 is exactly the LoopLM, whatever the chunk size.
+    At loop t the chunk's own entries mix its loop-t MELT and base entries; earlier tokens
+    mix their final MELT entry with their loop-t base entry, so the store keeps one mixed
+    entry per (layer, loop). alpha = 0 is exactly the LoopLM, whatever the chunk size.
     """
 
     needs_base, needs_melt = True, True
@@ -149,12 +285,24 @@ class InterpolatedKV(PerLoopKV):
     def __init__(self, store, alpha: float) -> None:
         super().__init__(store)
         self.alpha = alpha
+        self.base: dict = {}
 
-    def kv(self, layer, loop, base, melt):
-        kb, vb = self.store.attend(("base", layer, loop), *base)
-        km, vm = self.store.attend(("melt", layer), *melt)
+    def _mix(self, melt, base):
         a = self.alpha
-        return a * km + (1 - a) * kb, a * vm + (1 - a) * vb
+        return a * melt[0] + (1 - a) * base[0], a * melt[1] + (1 - a) * base[1]
+
+    def key_value(self, layer, loop, base, melt):
+        return ("mix", layer, loop), self._mix(melt, base)
+
+    def record(self, layer, loop, base, melt) -> None:
+        self.base[(layer, loop)] = base
+        self.finals[layer] = melt
+
+    def advance(self, c: int) -> None:
+        melt_final = self.finals
+        self.finals = {("mix", i, t): self._mix(melt_final[i], base) for (i, t), base in self.base.items()}
+        self.base = {}
+        super().advance(c)
 
 
 class PromptPerLoopThenSharedKV:
@@ -170,10 +318,19 @@ class PromptPerLoopThenSharedKV:
     def past_length(self) -> int:
         return self.prompt_store.length + self.gen_store.length
 
-    def kv(self, layer, loop, base, melt):
+    def key_value(self, layer, loop, base, melt):
+        return (layer, loop), melt
+
+    def record(self, layer, loop, base, melt) -> None:
+        pass
+
+    def attend(self, key, q, kv, past, token, mask=None) -> Tensor:
+        layer, loop = key
         pk, pv = self.prompt_store.view((layer, loop))
-        gk, gv = self.gen_store.attend(layer, *melt)
-        return torch.cat([pk, gk], dim=2), torch.cat([pv, gv], dim=2)
+        gk, gv = self.gen_store.write(layer, *kv, self.gen_store.length)
+        end = self.gen_store.length + kv[0].shape[2]
+        k, v = torch.cat([pk, gk[:, :, :end]], dim=2), torch.cat([pv, gv[:, :, :end]], dim=2)
+        return chunk_attention(q, k, v, mask)
 
     def advance(self, c: int) -> None:
-        self.gen_store.advance(c)
+        self.gen_store.length += c

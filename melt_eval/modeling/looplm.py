@@ -27,7 +27,9 @@ from torch import nn
 from transformers import PreTrainedConfig, PreTrainedModel
 from transformers.modeling_outputs import ModelOutput
 
-from melt_eval.modeling.kv_cache import ConcatStore, InterpolatedKV, PerLoopKV, SharedKV
+from torch.utils.checkpoint import checkpoint
+
+from melt_eval.modeling.kv_cache import PerLoopKV, SharedKV, TrainingKVBuffer
 
 Tensor = torch.Tensor
 
@@ -72,10 +74,12 @@ class LoopLMConfig(PreTrainedConfig):
 class LoopLMOutput(ModelOutput):
     loss: Tensor | None = None
     logits: Tensor | None = None  # [B, L, V], last loop
+    last_hidden_state: Tensor | None = None  # [B, L, d], norm(h_T)
     loop_logits: list[Tensor] | None = None  # T x [B, L, V]
     attn_outputs: list[list[Tensor]] | None = None  # [layer][loop] -> o, [B, L, d]
     hidden_states: list[Tensor] | None = None  # T x [B, L, d], norm(h_t)
     gate_means: Tensor | None = None  # [N, T] mean z per layer and loop (MELT; loop 1 is NaN)
+    loss_terms: object | None = None  # training.losses.LossTerms, when forward was given a loss_fn
 
 
 class RMSNorm(nn.Module):
@@ -136,11 +140,10 @@ class LoopLMAttention(nn.Module):
         k = apply_rope(self._heads(self.k_proj(h), self.num_kv_heads), cos, sin)
         return k, self._heads(self.v_proj(h), self.num_kv_heads)
 
-    def attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
-        """q [B, H, c, hd] over k, v [B, KVH, S, hd]; mask [B, 1, c, S] (True = may attend)."""
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.num_kv_heads != self.num_heads)
-        b, _, c, _ = out.shape
-        return self.o_proj(out.transpose(1, 2).reshape(b, c, -1))
+    def output(self, heads: Tensor) -> Tensor:
+        """o_proj of the attention heads [B, H, c, hd] -> [B, c, d]."""
+        b, _, c, _ = heads.shape
+        return self.o_proj(heads.transpose(1, 2).reshape(b, c, -1))
 
 
 class LoopLMMLP(nn.Module):
@@ -180,6 +183,7 @@ class LoopLMModel(nn.Module):
         # Ouro's learned early-exit gate: loaded and reported, never used to stop (MELT.md section 1).
         self.early_exit_gate = nn.Linear(config.hidden_size, 1)
         self.rotary_emb = RotaryEmbedding(config)
+        self.gradient_checkpointing = False  # re-run each (layer, loop) step in backward
 
     def run_chunk(
         self,
@@ -194,38 +198,32 @@ class LoopLMModel(nn.Module):
         """Run all T loops over one chunk of c tokens, attending through `policy`.
 
         input_ids, position_ids: [B, c]. key_mask: [B, >= past + c], True where a key slot
-        holds a real token (None = no padding). Returns the last loop's normed hidden state
-        [B, c, d] and, with collect=True, per-loop hidden states, attention outputs and gates.
+        holds a real token (generation over left-padded rows; None = no padding, and the
+        chunk attends bottom-right causally without a mask tensor). Returns the last loop's
+        normed hidden state [B, c, d] and, with collect=True, per-loop hidden states,
+        attention outputs and gates.
         """
         cfg = self.config
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary_emb(position_ids, x.dtype)
-        mask = self._mask(input_ids.shape[1], policy.past_length, key_mask, x.device)
+        past = policy.past_length
+        mask = None if key_mask is None else self._mask(input_ids.shape[1], past, key_mask, x.device)
         T, N = cfg.total_ut_steps, len(self.layers)
         states: list[Tensor | None] = [None] * N  # per-layer latent state h (shared-KV variants)
+        checkpointed = self.gradient_checkpointing and torch.is_grad_enabled()
         loop_hidden, attn_outputs, gates = [], [[] for _ in range(N)], [[] for _ in range(N)]
         for t in range(T):
             for i, layer in enumerate(self.layers):
-                a = layer.input_layernorm(x)
-                q = layer.self_attn.query(a, cos, sin)
-                base = layer.self_attn.key_value(a, cos, sin) if policy.needs_base else None
-                melt = None
-                if policy.needs_melt:
-                    # h_1 = a_1; h_t = z_t * h_{t-1} + (1 - z_t) * a_t
-                    z = None
-                    if t == 0:
-                        states[i] = a
-                    else:
-                        states[i], z = layer.update_state(states[i], a, t + 1, kv_sharing)
-                    melt = layer.self_attn.key_value(states[i], cos, sin)
-                    if collect:
-                        gates[i].append(z)
-                k, v = policy.kv(i, t, base, melt)
-                o = layer.self_attn.attend(q, k, v, mask)
-                x = x + layer.input_layernorm_2(o)
-                x = x + layer.post_attention_layernorm_2(layer.mlp(layer.post_attention_layernorm(x)))
+                args = (layer, i, t, policy, past, policy.store.token if hasattr(policy, "store") else None, mask, kv_sharing)
+                if checkpointed:
+                    x, states[i], o, z, base, melt = checkpoint(self._layer_step, x, states[i], cos, sin, *args, use_reentrant=False)
+                else:
+                    x, states[i], o, z, base, melt = self._layer_step(x, states[i], cos, sin, *args)
+                policy.record(i, t, base, melt)
                 if collect:
                     attn_outputs[i].append(o)
+                    if policy.needs_melt:
+                        gates[i].append(z)
             x = self.norm(x)  # the next loop's input, and this loop's prediction state
             if collect:
                 loop_hidden.append(x)
@@ -233,15 +231,29 @@ class LoopLMModel(nn.Module):
         return x, {"loop_hidden": loop_hidden, "attn_outputs": attn_outputs, "gates": gates}
 
     @staticmethod
-    def _mask(c: int, past: int, key_mask: Tensor | None, device) -> Tensor | None:
-        """[B|1, 1, c, past + c]: earlier tokens, and the chunk causally (itself included)."""
-        if key_mask is None and c == 1:
-            return None
+    def _layer_step(x, h_prev, cos, sin, layer, i, t, policy, past, token, mask, kv_sharing):
+        """One layer at loop t over the chunk: a pure function of (x, h_{t-1}), so activation
+        checkpointing can re-run it; its only side effect is rewriting the chunk's own slots."""
+        a = layer.input_layernorm(x)
+        q = layer.self_attn.query(a, cos, sin)
+        base = layer.self_attn.key_value(a, cos, sin) if policy.needs_base else None
+        melt, h, z = None, None, None
+        if policy.needs_melt:
+            # h_1 = a_1; h_t = z_t * h_{t-1} + (1 - z_t) * a_t
+            h, z = (a, None) if t == 0 else layer.update_state(h_prev, a, t + 1, kv_sharing)
+            melt = layer.self_attn.key_value(h, cos, sin)
+        key, kv = policy.key_value(i, t, base, melt)
+        o = layer.self_attn.output(policy.attend(key, q, kv, past, token, mask))
+        x = x + layer.input_layernorm_2(o)
+        x = x + layer.post_attention_layernorm_2(layer.mlp(layer.post_attention_layernorm(x)))
+        return x, h, o, z, base, melt
+
+    @staticmethod
+    def _mask(c: int, past: int, key_mask: Tensor, device) -> Tensor:
+        """[B, 1, c, past + c] for padded generation rows: earlier real tokens, and the chunk causally."""
         s = past + c
         q_pos = torch.arange(c, device=device)[:, None] + past
         allowed = torch.arange(s, device=device)[None, :] <= q_pos  # [c, s]
-        if key_mask is None:
-            return allowed[None, None]
         allowed = allowed[None] & key_mask[:, None, :s].bool()
         # every query may attend to itself, so a padded query row never sees an empty key set
         own = torch.zeros(c, s, dtype=torch.bool, device=device)
@@ -301,26 +313,34 @@ class LoopLMForCausalLM(LoopLMPreTrainedModel):
         output_loop_states: bool = False,
         kv_sharing: str | None = None,
         labels: Tensor | None = None,
+        compute_logits: bool = True,
+        output_attn_outputs: bool | None = None,
+        loss_fn=None,
         **kwargs,
     ) -> LoopLMOutput:
         """Teacher-forced forward over [B, L] tokens, chunk by chunk (MELT.md "Chunks").
 
         chunk_size None means the model's exact rule: one chunk for Ouro (its per-loop cache
         makes chunking irrelevant), one token per chunk where keys/values are shared across
-        loops (MELT, kv_sharing). Padding: chunks are counted from column 0, so pad on the right.
+        loops (MELT, kv_sharing). Padding goes on the right (chunks count from column 0):
+        real tokens never see a pad, so no mask is needed. compute_logits=False leaves the
+        [B, L, V] logits to the caller (training computes them block by block from
+        `hidden_states`/`last_hidden_state`); output_attn_outputs defaults to output_loop_states.
+        loss_fn(lm_head, output) -> LossTerms is evaluated inside forward, where wrappers such as
+        FSDP and autocast are active (training's objective); it fills `loss` and `loss_terms`.
         """
-        policy = self.make_policy(ConcatStore(), alpha=alpha, kv_sharing=kv_sharing)
-        L = input_ids.shape[1]
+        policy = self.make_policy(TrainingKVBuffer(input_ids.shape[1]), alpha=alpha, kv_sharing=kv_sharing)
+        B, L = input_ids.shape
         if chunk_size is None:
             chunk_size = 1 if policy.needs_melt else L
         if chunk_size < 1:
             raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
         if attention_mask is not None:
-            position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
-            key_mask = attention_mask.bool()
-        else:
-            position_ids = torch.arange(L, device=input_ids.device).expand(input_ids.shape[0], L)
-            key_mask = None
+            m = attention_mask.bool()
+            if (m[:, 1:] & ~m[:, :-1]).any():
+                raise ValueError("attention_mask must be right-padded (ones, then zeros) in a teacher-forced forward")
+        position_ids = torch.arange(L, device=input_ids.device).expand(B, L)
+        collect_attn = output_loop_states if output_attn_outputs is None else output_attn_outputs
         T, N = self.config.total_ut_steps, self.config.num_hidden_layers
         hidden, loop_hidden = [], [[] for _ in range(T)]
         attn_outputs = [[[] for _ in range(T)] for _ in range(N)]
@@ -329,28 +349,49 @@ class LoopLMForCausalLM(LoopLMPreTrainedModel):
             end = min(start + chunk_size, L)
             x, extra = self.model.run_chunk(
                 input_ids[:, start:end], position_ids[:, start:end], policy,
-                key_mask=key_mask, kv_sharing=kv_sharing, collect=output_loop_states,
+                kv_sharing=kv_sharing, collect=output_loop_states or collect_attn,
             )
             hidden.append(x)
-            if output_loop_states:
+            if output_loop_states or collect_attn:
                 for t in range(T):
                     loop_hidden[t].append(extra["loop_hidden"][t])
                     for i in range(N):
-                        attn_outputs[i][t].append(extra["attn_outputs"][i][t])
+                        if collect_attn:
+                            attn_outputs[i][t].append(extra["attn_outputs"][i][t])
                 for i in range(N):
                     for t, z in enumerate(extra["gates"][i]):
                         if z is not None:
                             gates[i][t].append(z)
-        logits = self.lm_head(torch.cat(hidden, dim=1))
-        out = LoopLMOutput(logits=logits)
+        last = torch.cat(hidden, dim=1)
+        out = LoopLMOutput(last_hidden_state=last)
+        if compute_logits:
+            out.logits = self.lm_head(last)
         if output_loop_states:
-            out.hidden_states = [torch.cat(h, dim=1) for h in loop_hidden]
-            out.loop_logits = [self.lm_head(h) for h in out.hidden_states[:-1]] + [logits]
-            out.attn_outputs = [[torch.cat(o, dim=1) for o in per_loop] for per_loop in attn_outputs]
+            out.hidden_states = [torch.cat(h, dim=1) for h in loop_hidden[:-1]] + [last]
+            if compute_logits:
+                out.loop_logits = [self.lm_head(h) for h in out.hidden_states[:-1]] + [out.logits]
             out.gate_means = self._gate_means(gates)
+        if collect_attn:
+            out.attn_outputs = [[torch.cat(o, dim=1) for o in per_loop] for per_loop in attn_outputs]
         if labels is not None:
+            logits = out.logits if compute_logits else self.lm_head(last)
             out.loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=-100)
+        if loss_fn is not None:
+            out.loss_terms = loss_fn(self.lm_head, out)
+            out.loss = out.loss_terms.total
         return out
+
+    def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs=None) -> None:
+        """Re-run each (layer, loop) step in backward: per token and (layer, loop), only the
+        step's input x and state h are kept (HF's name for it)."""
+        self.model.gradient_checkpointing = True
+
+    def gradient_checkpointing_disable(self) -> None:
+        self.model.gradient_checkpointing = False
+
+    @property
+    def is_gradient_checkpointing(self) -> bool:
+        return self.model.gradient_checkpointing
 
     @staticmethod
     def _gate_means(gates) -> Tensor | None:

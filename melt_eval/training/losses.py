@@ -9,6 +9,12 @@ token n + 1, so a mask over targets is shifted by one against the logits.
 - `kd_loss`: all-loop KD, generalised JSD with beta averaged over loops (beta 0 = forward
   KL(teacher || student), beta 1 = reverse KL(student || teacher), as in TRL's GKD).
 - `align_loss`: mean over layers and loops of ||o_student - sg(o_teacher)||^2 per token.
+
+The objective never builds [B, L, V] logits: `objective` takes hidden states and the LM
+heads, gathers the loss rows, and computes lm_head and the divergence a block of rows at a
+time under activation checkpointing (the idea of Liger-Kernel's fused linear JSD), so at
+most one block's logits exist at once, forward or backward. `sft_loss`/`kd_loss` on full
+logits are the definitions those blocks sum to.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 Tensor = torch.Tensor
 
@@ -82,6 +89,67 @@ def align_loss(student_attn: list[list[Tensor]], teacher_attn: list[list[Tensor]
     return total / n_terms
 
 
+LOGIT_BLOCK_ELEMENTS = 2**25  # rows per block x vocabulary: 128 MiB of fp32 logits per block
+
+
+def _blockwise_sum(fn, *rows: Tensor) -> Tensor:
+    """sum_blocks fn(rows[block]); each block's intermediates are freed and recomputed in backward."""
+    n = rows[0].shape[0]
+    total = rows[0].new_zeros((), dtype=torch.float32)
+    if n == 0:
+        return total
+    step = max(1, LOGIT_BLOCK_ELEMENTS // max(1, fn.vocab_size))
+    grad = torch.is_grad_enabled() and any(r.requires_grad for r in rows)
+    for s in range(0, n, step):
+        piece = [r[s : s + step] for r in rows]
+        total = total + (checkpoint(fn, *piece, use_reentrant=False) if grad else fn(*piece))
+    return total
+
+
+class _HeadCE:
+    """Summed cross-entropy of head(h) against targets, for one block of rows."""
+
+    def __init__(self, head) -> None:
+        self.head, self.vocab_size = head, head.out_features
+
+    def __call__(self, h: Tensor, targets: Tensor) -> Tensor:
+        return F.cross_entropy(self.head(h).float(), targets, reduction="sum")
+
+
+class _HeadDivergence:
+    """Summed divergence between head_t(h_t) (frozen) and head_s(h_s), for one block of rows."""
+
+    def __init__(self, student_head, teacher_head, beta: float, temperature: float) -> None:
+        self.s_head, self.t_head, self.beta, self.temperature = student_head, teacher_head, beta, temperature
+        self.vocab_size = student_head.out_features
+
+    def __call__(self, h_s: Tensor, h_t: Tensor) -> Tensor:
+        with torch.no_grad():
+            t_logits = self.t_head(h_t)
+        return generalized_jsd(self.s_head(h_s), t_logits, self.beta, self.temperature).sum()
+
+
+def sft_loss_from_hidden(head, hidden: Tensor, input_ids: Tensor, loss_mask: Tensor) -> Tensor:
+    """`sft_loss(head(hidden), ...)` without the [B, L, V] logits. hidden [B, L, d]."""
+    mask = shift_mask(loss_mask)
+    return _blockwise_sum(_HeadCE(head), hidden[:, :-1][mask], input_ids[:, 1:][mask])
+
+
+def kd_loss_from_hidden(
+    student_head, student_hidden: list[Tensor], teacher_head, teacher_hidden: list[Tensor], loss_mask: Tensor,
+    beta: float = 0.0, temperature: float = 1.0,
+) -> Tensor:
+    """`kd_loss` over per-loop hidden states (T x [B, L, d]) and the two LM heads, block by block."""
+    if len(student_hidden) != len(teacher_hidden):
+        raise ValueError(f"student has {len(student_hidden)} loops, teacher {len(teacher_hidden)}")
+    mask = shift_mask(loss_mask)
+    fn = _HeadDivergence(student_head, teacher_head, beta, temperature)
+    total = student_hidden[0].new_zeros((), dtype=torch.float32)
+    for s, t in zip(student_hidden, teacher_hidden):
+        total = total + _blockwise_sum(fn, s[:, :-1][mask], t[:, :-1][mask].detach())
+    return total / len(student_hidden)
+
+
 @dataclass
 class LossTerms:
     """One micro-batch's objective: `total` is what is back-propagated (already normalised)."""
@@ -92,10 +160,11 @@ class LossTerms:
 
 def objective(
     student_out, teacher_out, input_ids: Tensor, loss_mask: Tensor, attention_mask: Tensor, *,
+    student_head, teacher_head=None,
     kd: bool, kd_beta: float = 0.0, kd_temperature: float = 1.0, ce_weight: float = 0.0, align_beta: float = 0.0,
     n_loss_tokens: float, n_tokens: float,
 ) -> LossTerms:
-    """The recipe's objective for one micro-batch.
+    """The recipe's objective for one micro-batch, from hidden states and the LM heads.
 
     KD on:  KD_allLoops (+ ce_weight * CE) (+ align_beta * align);  KD off: CE (+ align_beta * align).
     Token sums are divided by the step's loss-token count (`n_loss_tokens`; `n_tokens` for align).
@@ -108,15 +177,20 @@ def objective(
         parts[name] = float(value.detach())
         total = weight * value if total is None else total + weight * value
 
+    def sft() -> Tensor:
+        return sft_loss_from_hidden(student_head, student_out.last_hidden_state, input_ids, loss_mask)
+
     if kd:
-        add("kd", kd_loss(student_out.loop_logits, teacher_out.loop_logits, loss_mask, kd_beta, kd_temperature), 1.0, n_loss_tokens)
+        kd_sum = kd_loss_from_hidden(student_head, student_out.hidden_states, teacher_head, teacher_out.hidden_states,
+                                     loss_mask, kd_beta, kd_temperature)
+        add("kd", kd_sum, 1.0, n_loss_tokens)
         if ce_weight > 0:
-            add("sft", sft_loss(student_out.logits, input_ids, loss_mask), ce_weight, n_loss_tokens)
+            add("sft", sft(), ce_weight, n_loss_tokens)
         else:  # logged only: the final-loop cross-entropy is the number people compare runs by
             with torch.no_grad():
-                parts["sft"] = float(sft_loss(student_out.logits, input_ids, loss_mask)) / max(n_loss_tokens, 1.0)
+                parts["sft"] = float(sft()) / max(n_loss_tokens, 1.0)
     else:
-        add("sft", sft_loss(student_out.logits, input_ids, loss_mask), 1.0, n_loss_tokens)
+        add("sft", sft(), 1.0, n_loss_tokens)
     if align_beta > 0:
         add("align", align_loss(student_out.attn_outputs, teacher_out.attn_outputs, attention_mask), align_beta, n_tokens)
     return LossTerms(total=total, parts=parts)

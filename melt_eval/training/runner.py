@@ -68,21 +68,6 @@ def check_teacher(student, teacher) -> None:
         raise UserError("the teacher does not match the student (" + "; ".join(bad) + "); pass the LoopLM the student was made from with --teacher")
 
 
-def enable_activation_checkpointing(model) -> None:
-    """Recompute each layer's MLP and attention in the backward pass instead of storing them.
-
-    The looped forward calls layer pieces directly and keeps a growing KV store across
-    chunks, so whole layers cannot be re-run; the MLP and the attention kernel are pure
-    functions of their inputs and hold most of the activation memory.
-    """
-    from torch.utils.checkpoint import checkpoint
-
-    for layer in model.model.layers:
-        mlp_forward, attend = layer.mlp.forward, layer.self_attn.attend
-        layer.mlp.forward = lambda x, _f=mlp_forward: checkpoint(_f, x, use_reentrant=False)
-        layer.self_attn.attend = lambda q, k, v, m, _f=attend: checkpoint(_f, q, k, v, m, use_reentrant=False)
-
-
 def _recorded_teacher(model_dir: Path) -> str | None:
     meta = model_dir / META_FILE
     if meta.is_file():
@@ -284,7 +269,7 @@ def train(recipe: Recipe, output: str | Path, *, resume: bool = False, progress:
     student.model.early_exit_gate.requires_grad_(False)
     student.train()
     if recipe.gradient_checkpointing:
-        enable_activation_checkpointing(student)
+        student.gradient_checkpointing_enable()
     optimizer = torch.optim.AdamW(
         param_groups(student, recipe), betas=tuple(recipe.adam_betas), eps=recipe.adam_eps, weight_decay=recipe.weight_decay
     )
@@ -404,22 +389,29 @@ def forward_objective(model, teacher, batch: dict, recipe: Recipe, step: int, *,
     """One micro-batch through student (and teacher) and the recipe's objective at optimiser step `step`.
 
     Returns (LossTerms, student output). The student runs chunk-wise at the step's alpha; the
-    teacher (the LoopLM, so chunking does not matter for it) runs without gradients.
+    teacher (the LoopLM, so chunking does not matter for it) runs without gradients. Neither
+    builds [B, L, V] logits: the objective computes them a block of loss rows at a time.
     """
     if output_loop_states is None:
         output_loop_states = recipe.kd or recipe.align_beta > 0
     ids, attn = batch["input_ids"], batch["attention_mask"]
-    out = model(ids, attention_mask=attn, chunk_size=_chunk(recipe, ids.shape[1]), alpha=recipe.alpha(step),
-                output_loop_states=output_loop_states)
+    align = recipe.align_beta > 0
     teacher_out = None
-    if teacher is not None and (recipe.kd or recipe.align_beta > 0):
+    if teacher is not None and (recipe.kd or align):
         with torch.no_grad(), teacher_autocast():
-            teacher_out = teacher(ids, attention_mask=attn, output_loop_states=True)
-    terms = objective(out, teacher_out, ids, batch["loss_mask"], attn, kd=recipe.kd and teacher_out is not None,
-                      kd_beta=recipe.kd_beta, kd_temperature=recipe.kd_temperature, ce_weight=recipe.ce_weight,
-                      align_beta=recipe.align_beta if teacher_out is not None else 0.0,
-                      n_loss_tokens=n_loss_tokens, n_tokens=n_tokens)
-    return terms, out
+            teacher_out = teacher(ids, attention_mask=attn, output_loop_states=recipe.kd, output_attn_outputs=align,
+                                  compute_logits=False)
+
+    def loss_fn(student_head, out):  # runs inside the student's forward (FSDP-gathered weights, autocast)
+        return objective(out, teacher_out, ids, batch["loss_mask"], attn, kd=recipe.kd and teacher_out is not None,
+                         student_head=student_head, teacher_head=teacher.lm_head if teacher is not None else None,
+                         kd_beta=recipe.kd_beta, kd_temperature=recipe.kd_temperature, ce_weight=recipe.ce_weight,
+                         align_beta=recipe.align_beta if teacher_out is not None else 0.0,
+                         n_loss_tokens=n_loss_tokens, n_tokens=n_tokens)
+
+    out = model(ids, attention_mask=attn, chunk_size=_chunk(recipe, ids.shape[1]), alpha=recipe.alpha(step),
+                output_loop_states=output_loop_states, output_attn_outputs=align, compute_logits=False, loss_fn=loss_fn)
+    return out.loss_terms, out
 
 
 def _chunk(recipe: Recipe, length: int) -> int | None:

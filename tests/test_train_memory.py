@@ -1,0 +1,152 @@
+"""Chunk-wise training reads earlier tokens in place (O(L) activation memory) with the exact
+gradients of the literal concatenate-and-mask forward (tests/reference_chunked.py), and the
+objective never builds full [B, L, V] logits yet gives the same loss values."""
+
+import copy
+
+import pytest
+import torch
+
+from melt_eval.modeling import GATES, MeltForCausalLM
+from melt_eval.modeling.tiny import build_tokenizer, make_tiny_looplm
+from melt_eval.training import load_recipe
+from melt_eval.training.losses import align_loss, kd_loss, sft_loss
+from melt_eval.training.runner import forward_objective
+
+from reference_chunked import reference_forward
+
+L = 10  # C = 3 leaves a ragged last chunk of 1
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def looplm():
+    torch.manual_seed(0)
+    model = make_tiny_looplm(build_tokenizer(), num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                             head_dim=16, hidden_size=64, intermediate_size=96, loops=3).double()
+    with torch.no_grad():  # larger than the init, so loops and variants really differ
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.1)
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def batch():
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(5, 500, (2, L), generator=g)
+    attn = torch.ones(2, L, dtype=torch.bool)
+    attn[1, 8:] = False  # right padding
+    loss = torch.zeros(2, L, dtype=torch.bool)
+    loss[0, 4:] = True
+    loss[1, 3:8] = True
+    return {"input_ids": ids, "attention_mask": attn, "loss_mask": loss}
+
+
+def reference_loss(student, teacher, batch, C, alpha, align_beta):
+    ids, attn, lm = batch["input_ids"], batch["attention_mask"], batch["loss_mask"]
+    n_loss, n_tok = float(lm[:, 1:].sum()), float(attn.sum())
+    s_logits, s_attn = reference_forward(student, ids, attn, C, alpha)
+    with torch.no_grad():
+        t_logits, t_attn = reference_forward(teacher, ids, attn, L)
+    total = kd_loss(s_logits, t_logits, lm) / n_loss
+    if align_beta:
+        total = total + align_beta * align_loss(s_attn, t_attn, attn) / n_tok
+    return total, sft_loss(s_logits[-1], ids, lm) / n_loss
+
+
+def recipe_at(alpha, C, align_beta):
+    # alpha(step) = step / interpolation_steps: step 3 of 10 is alpha 0.3
+    interp, step = {0.0: (10, 0), 0.3: (10, 3), 1.0: (0, 0)}[alpha]
+    return load_recipe("tiny-phase1", overrides={"chunk_size": C, "interpolation_steps": interp,
+                                                 "align_beta": align_beta}), step
+
+
+def grads(model):
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("C", [1, 3, L])
+@pytest.mark.parametrize("align_beta", [0.0, 0.1])
+@pytest.mark.parametrize("alpha", [0.0, 0.3, 1.0])
+@pytest.mark.parametrize("gate", GATES)
+def test_gradients_equal_the_concatenating_reference(looplm, batch, gate, alpha, align_beta, C):
+    student = MeltForCausalLM.from_looplm(looplm, gate=gate, seed=1).train()
+    student.model.early_exit_gate.requires_grad_(False)
+    twin = copy.deepcopy(student)
+    recipe, step = recipe_at(alpha, C, align_beta)
+    assert recipe.alpha(step) == alpha
+    counts = dict(n_loss_tokens=float(batch["loss_mask"][:, 1:].sum()), n_tokens=float(batch["attention_mask"].sum()))
+    terms, _ = forward_objective(student, looplm, batch, recipe, step, **counts)
+    terms.total.backward()
+    ref_total, ref_sft = reference_loss(twin, looplm, batch, C, alpha, align_beta)
+    ref_total.backward()
+    assert abs(terms.total.item() - ref_total.item()) < 1e-6
+    assert abs(terms.parts["sft"] - ref_sft.item()) < 1e-6
+    got, want = grads(student), grads(twin)
+    assert set(got) == set(want) and len(got) > 10
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], atol=1e-6, rtol=0, msg=name)
+
+
+@pytest.mark.parametrize("gate", ["elementwise", "mean"])
+def test_activation_checkpointing_keeps_the_gradients(looplm, batch, gate):
+    recipe, step = recipe_at(0.3, 3, 0.1)
+    counts = dict(n_loss_tokens=float(batch["loss_mask"][:, 1:].sum()), n_tokens=float(batch["attention_mask"].sum()))
+    results = []
+    for checkpointing in (False, True):
+        student = MeltForCausalLM.from_looplm(looplm, gate=gate, seed=1).train()
+        if checkpointing:
+            student.gradient_checkpointing_enable()
+        terms, _ = forward_objective(student, looplm, batch, recipe, step, **counts)
+        terms.total.backward()
+        results.append(grads(student))
+    for name in results[0]:
+        torch.testing.assert_close(results[1][name], results[0][name], atol=1e-9, rtol=0, msg=name)
+
+
+def saved_bytes(model, fn) -> int:
+    """Bytes of the distinct tensors autograd saves for backward, parameters left out (they exist anyway)."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen: dict[int, int] = {}
+
+    def pack(t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in params:
+            seen[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    del out
+    return sum(seen.values())
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_saved_activations_per_token_do_not_grow_with_chunks_or_length(looplm, checkpointing):
+    """The memory the issue measured: bytes saved for backward per token, C = L vs C = L/20."""
+    student = MeltForCausalLM.from_looplm(looplm.float(), gate="elementwise", seed=1).train()
+    looplm.double()
+    if checkpointing:
+        student.gradient_checkpointing_enable()
+    per_token = {}
+    for length in (80, 160):
+        ids = torch.randint(5, 500, (1, length))
+        for C in (length, length // 20):
+            per_token[length, C] = saved_bytes(student, lambda: student(ids, chunk_size=C, compute_logits=False).last_hidden_state) / length
+    for (length, C), value in per_token.items():
+        assert value <= 1.1 * per_token[length, length], (length, C, per_token)
+    assert per_token[160, 8] <= 1.1 * per_token[80, 4]
+
+
+def test_right_padding_is_required(looplm):
+    ids = torch.randint(5, 500, (1, 6))
+    with pytest.raises(ValueError, match="right-padded"):
+        looplm(ids, attention_mask=torch.tensor([[0, 1, 1, 1, 1, 1]]))
