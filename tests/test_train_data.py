@@ -122,3 +122,39 @@ def test_tiny_tokenizer_keeps_the_demo_task_short(tok):
                for x in synthetic.make_split("test", 200, seed=0, num_steps=(1, 2))]
     assert max(lengths) <= 36, max(lengths)
     assert tok.tokenize("user") == ["user"] and tok.tokenize("assistant") == ["assistant"]
+
+
+def _chats(n):
+    return [{"messages": [{"role": "user", "content": "q" * (3 + 7 * i)}, {"role": "assistant", "content": "a b c " * (1 + i)}]}
+            for i in range(n)]
+
+
+def test_overlong_examples_are_kept_truncated_or_dropped_as_the_recipe_says(tmp_path, tok):
+    _write_jsonl(tmp_path / "c.jsonl", _chats(12))
+    spec = [{"source": "local", "path": str(tmp_path / "c.jsonl")}]
+    whole = [len(e.input_ids) for e in (lambda d: [d.next() for _ in range(12)])(DataStream(spec, tok, 10**6, seed=0, shuffle_buffer=0))]
+    limit = sorted(whole)[6]
+    longer = sum(n > limit for n in whole)
+    assert longer >= 3
+    kept = DataStream(spec, tok, limit, seed=0, shuffle_buffer=0, overlong="keep")
+    assert [len(kept.next().input_ids) for _ in range(12)] == whole  # the default: whole examples
+    cut = DataStream(spec, tok, limit, seed=0, shuffle_buffer=0, overlong="truncate")
+    assert max(len(cut.next().input_ids) for _ in range(12)) == limit and cut.truncated == longer
+    dropped = DataStream(spec, tok, limit, seed=0, shuffle_buffer=0, overlong="drop")
+    # one past the epoch: every long example was met and dropped
+    assert all(len(dropped.next().input_ids) <= limit for _ in range(12 - longer + 1)) and dropped.dropped == longer
+    assert dropped.state_dict()["dropped"] == longer
+
+
+def test_bucketing_groups_similar_lengths_and_pads_less(tok):
+    from melt_eval.training.data import bucket
+
+    s = DataStream([{"source": "synthetic", "n": 200, "num_steps": [1, 3]}], tok, 10**6, seed=0)
+    exs = [s.next() for _ in range(32)]
+    groups = bucket(exs, 4, tok.pad_token_id)
+    assert len(groups) == 8 and sum(int(g["attention_mask"].sum()) for g in groups) == sum(len(e.input_ids) for e in exs)
+    slots = sum(g["attention_mask"].numel() for g in groups)
+    unsorted = sum(collate(exs[i : i + 4], tok.pad_token_id)["attention_mask"].numel() for i in range(0, 32, 4))
+    assert slots < unsorted
+    widths = [g["input_ids"].shape[1] for g in groups]
+    assert widths == sorted(widths, reverse=True)

@@ -19,7 +19,8 @@ import yaml
 from melt_eval.errors import UserError
 
 RECIPES_DIR = Path(__file__).resolve().parents[2] / "recipes"
-TARGETS = ("melt", "looplm")  # what is trained: MELT (converted or continued) or a plain LoopLM
+TARGETS = ("melt", "looplm")
+OVERLONG = ("keep", "truncate", "drop")  # what is trained: MELT (converted or continued) or a plain LoopLM
 MIXED_PRECISION = ("auto", "bf16", "fp16", "no")
 
 
@@ -46,6 +47,7 @@ class Recipe:
     # --- data --------------------------------------------------------------------------------
     data: list = field(default_factory=list)  # sources, see melt_eval.training.data.build_source
     seq_len: int = 10_000
+    overlong: str = "keep"  # examples longer than seq_len: keep whole, truncate to seq_len, or drop (counted in the log)
     batch_tokens: int = 320_000  # tokens per optimiser step (sequence slots: seq_len x sequences)
     micro_batch_size: int = 1  # sequences per forward pass per process
     shuffle_buffer: int = 10_000  # streaming shuffle buffer for Hub sources
@@ -88,6 +90,8 @@ class Recipe:
 
         if self.gate not in GATES:
             bad(f"gate must be one of {', '.join(GATES)}, got {self.gate!r}")
+        if self.overlong not in OVERLONG:
+            bad(f"overlong must be one of {', '.join(OVERLONG)}, got {self.overlong!r}")
         if self.mixed_precision not in MIXED_PRECISION:
             bad(f"mixed_precision must be one of {MIXED_PRECISION}, got {self.mixed_precision!r}")
         for name in ("chunk_size", "interpolation_steps", "warmup_steps", "save_every"):

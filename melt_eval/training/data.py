@@ -56,8 +56,8 @@ def to_messages(example: dict) -> list[dict] | None:
     return None
 
 
-def encode_chat(tokenizer, messages: list[dict], seq_len: int) -> tuple[list[int], list[bool]] | None:
-    """Token ids and loss mask (True on assistant tokens) of a chat, truncated to seq_len.
+def encode_chat(tokenizer, messages: list[dict], seq_len: int | None) -> tuple[list[int], list[bool]] | None:
+    """Token ids and loss mask (True on assistant tokens) of a chat, truncated to seq_len (None: whole).
 
     The template is rendered for growing prefixes of the chat, so the text each turn adds
     is known exactly; the assistant's share (after the generation prompt) is the loss
@@ -89,7 +89,8 @@ def encode_chat(tokenizer, messages: list[dict], seq_len: int) -> tuple[list[int
         piece = tokenizer(text, add_special_tokens=False)["input_ids"]
         ids.extend(piece)
         mask.extend([is_loss] * len(piece))
-    ids, mask = ids[:seq_len], mask[:seq_len]
+    if seq_len is not None:
+        ids, mask = ids[:seq_len], mask[:seq_len]
     # the first token is never a target (nothing predicts it)
     if len(ids) < 2 or not any(mask[1:]):
         return None
@@ -244,7 +245,7 @@ class DataStream:
     """Examples from the recipe's sources, mixed by weight, tokenized; this process's share."""
 
     def __init__(self, specs: list[dict], tokenizer, seq_len: int, *, seed: int, shuffle_buffer: int = 10_000,
-                 rank: int = 0, world_size: int = 1) -> None:
+                 rank: int = 0, world_size: int = 1, overlong: str = "truncate") -> None:
         if not specs:
             raise UserError("the recipe lists no data sources")
         self.sources = [build_source(s, seed=seed * 1000 + i, shuffle_buffer=shuffle_buffer) for i, s in enumerate(specs)]
@@ -256,6 +257,8 @@ class DataStream:
         self.rank, self.world_size = rank, world_size
         self.draws = 0  # mixer draws so far (the mixer RNG is replayed on resume)
         self.skipped = 0  # examples dropped (unknown schema is an error; empty after truncation is not)
+        self.overlong = overlong  # longer than seq_len: "keep" whole, "truncate", or "drop"
+        self.truncated = self.dropped = 0
         self._rng = random.Random(f"mix/{seed}")
 
     def _next_global(self) -> Example:
@@ -269,7 +272,15 @@ class DataStream:
                     f"data source {self.sources[i].spec.get('path', self.sources[i].spec['source'])}: cannot make a chat "
                     f"from columns {sorted(raw)}; expected messages, conversations, input/output or problem/solution"
                 )
-            enc = encode_chat(self.tokenizer, msgs, self.seq_len)
+            enc = encode_chat(self.tokenizer, msgs, None)
+            if enc is not None and len(enc[0]) > self.seq_len:
+                if self.overlong == "drop":
+                    self.dropped += 1
+                    continue
+                if self.overlong == "truncate":
+                    self.truncated += 1
+                    ids, mask = enc[0][: self.seq_len], enc[1][: self.seq_len]
+                    enc = (ids, mask) if any(mask[1:]) else None
             if enc is None:
                 self.skipped += 1
                 continue
@@ -285,15 +296,29 @@ class DataStream:
         return ex
 
     def state_dict(self) -> dict:
-        return {"draws": self.draws, "skipped": self.skipped, "sources": [s.state_dict() for s in self.sources]}
+        return {"draws": self.draws, "skipped": self.skipped, "truncated": self.truncated, "dropped": self.dropped,
+                "sources": [s.state_dict() for s in self.sources]}
 
     def load_state_dict(self, state: dict) -> None:
         self._rng = random.Random(f"mix/{self.seed}")
         for _ in range(state["draws"]):  # replay the mixer's choices; sources jump to their positions
             self._rng.choices(range(len(self.sources)), weights=self.weights)
         self.draws, self.skipped = state["draws"], state.get("skipped", 0)
+        self.truncated, self.dropped = state.get("truncated", 0), state.get("dropped", 0)
         for src, st in zip(self.sources, state["sources"], strict=True):
             src.load_state_dict(st)
+
+
+def bucket(examples: list[Example], micro_batch_size: int, pad_id: int) -> list[dict[str, torch.Tensor]]:
+    """A step's examples as micro-batches of similar length (length bucketing): sorted longest
+    first and cut into groups of `micro_batch_size`, so each row pads only to its group's longest.
+
+    Which examples make the step is unchanged, and the loss is normalised by the step's token
+    counts, so the step's gradient does not depend on the grouping. Every row is one whole
+    document starting at column 0: its chunks count from its own first token.
+    """
+    ordered = sorted(examples, key=lambda e: len(e.input_ids), reverse=True)
+    return [collate(ordered[i : i + micro_batch_size], pad_id) for i in range(0, len(ordered), micro_batch_size)]
 
 
 def collate(examples: list[Example], pad_id: int) -> dict[str, torch.Tensor]:

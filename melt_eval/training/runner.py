@@ -31,7 +31,7 @@ import yaml
 
 from melt_eval.errors import UserError
 from melt_eval.training.config import Recipe
-from melt_eval.training.data import DataStream, collate
+from melt_eval.training.data import DataStream, bucket
 from melt_eval.training.losses import objective
 
 META_FILE = "melt_eval_training.json"
@@ -279,7 +279,7 @@ def train(recipe: Recipe, output: str | Path, *, resume: bool = False, progress:
 
     world = accelerator.num_processes
     stream = DataStream(recipe.data, tokenizer, recipe.seq_len, seed=recipe.seed, shuffle_buffer=recipe.shuffle_buffer,
-                        rank=accelerator.process_index, world_size=world)
+                        rank=accelerator.process_index, world_size=world, overlong=recipe.overlong)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
     accum = recipe.grad_accum_steps(world)
 
@@ -327,10 +327,11 @@ def train(recipe: Recipe, output: str | Path, *, resume: bool = False, progress:
                 factor = lr_factor(step, recipe)
                 for group in optimizer.param_groups:
                     group["lr"] = group["base_lr"] * factor
-                batches = [collate([stream.next() for _ in range(recipe.micro_batch_size)], pad_id) for _ in range(accum)]
+                batches = bucket([stream.next() for _ in range(recipe.micro_batch_size * accum)], recipe.micro_batch_size, pad_id)
                 counts = torch.tensor([sum(float(b["loss_mask"][:, 1:].sum()) for b in batches),
-                                       sum(float(b["attention_mask"].sum()) for b in batches)], device=accelerator.device)
-                n_loss, n_tok = accelerator.reduce(counts, reduction="sum").tolist()
+                                       sum(float(b["attention_mask"].sum()) for b in batches),
+                                       sum(b["attention_mask"].numel() for b in batches)], device=accelerator.device)
+                n_loss, n_tok, n_slots = accelerator.reduce(counts, reduction="sum").tolist()
                 want_states = recipe.kd or recipe.align_beta > 0 or (learned_gate and step % recipe.log_every == 0)
                 parts: dict[str, float] = {}
                 gate_means = None
@@ -362,6 +363,8 @@ def train(recipe: Recipe, output: str | Path, *, resume: bool = False, progress:
                 tokens_seen += int(n_tok)
                 dt = time.perf_counter() - t0
                 record = {"step": step, **parts, "alpha": alpha, "grad_norm": grad_norm, "tokens": int(n_tok),
+                          "padding_fraction": 1.0 - n_tok / max(n_slots, 1.0),
+                          "overlong_truncated": stream.truncated, "overlong_dropped": stream.dropped,
                           "tokens_seen": tokens_seen, "tokens_per_s": n_tok / dt, "step_time_s": dt}
                 for group in optimizer.param_groups:
                     record[f"lr.{group['name']}"] = group["lr"]
