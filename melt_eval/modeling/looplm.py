@@ -397,6 +397,8 @@ class LoopLMForCausalLM(LoopLMPreTrainedModel):
     def _gate_means(gates) -> Tensor | None:
         if not any(z for per_layer in gates for z in per_layer):
             return None
+        if any(isinstance(z, Tensor) and z.is_meta for per_layer in gates for zs in per_layer for z in zs):
+            return None  # shapes only (a memory projection on the meta device)
         means = torch.full((len(gates), len(gates[0])), float("nan"))
         for i, per_layer in enumerate(gates):
             for t, zs in enumerate(per_layer):

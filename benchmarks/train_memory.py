@@ -1,0 +1,175 @@
+"""Activation memory of chunk-wise MELT training: constant per token in L and in the chunk count.
+
+For MELT (elementwise gate, tiny width) at C = L and C = L/20 and L in {400, 800, 1600}, one
+training step (forward with the SFT objective, backward) is measured two ways:
+
+- saved_bytes_per_token: the distinct tensors autograd saves for backward, counted exactly with
+  `torch.autograd.graph.saved_tensors_hooks` (storages counted once, parameters left out);
+- peak_rss_bytes: the peak resident memory of a child process that builds the model and runs
+  the step (`ru_maxrss`), beside `base_rss_bytes`, the same child's resident memory before it.
+
+Then a projection for the paper's phase-1 step (MELT-1.6B: Ouro-1.4B shape + elementwise
+gates, L = 10,000, C = 500, bf16 activations, the frozen teacher and all-loop KD): the saved
+activations are counted by running the real training forward on the meta device (shapes
+only, no memory), everything else is arithmetic stated beside it.
+
+    python benchmarks/train_memory.py [--quick] [--json] [--no-projection]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import resource
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from melt_eval.modeling import LoopLMConfig, LoopLMForCausalLM, MeltForCausalLM  # noqa: E402
+
+TINY = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2, head_dim=64, vocab_size=512)
+OURO_1_4B = dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=24, num_attention_heads=16, head_dim=128,
+                 vocab_size=49152)
+
+
+def build_melt(shape: dict, device="cpu", checkpointing=True) -> MeltForCausalLM:
+    config = LoopLMConfig(**shape, total_ut_steps=4, max_position_embeddings=65536, rope_theta=1e6)
+    torch.manual_seed(0)
+    with torch.device(device):
+        looplm = LoopLMForCausalLM(config)
+    melt = MeltForCausalLM.from_looplm(looplm, gate="elementwise", seed=0).train()
+    if checkpointing:
+        melt.gradient_checkpointing_enable()
+    return melt
+
+
+def saved_bytes(model, fn) -> int:
+    """Bytes of the distinct storages autograd saves while fn runs; parameters are not counted."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()} if model is not None else set()
+    seen: dict[tuple, int] = {}
+
+    def pack(t):
+        s = t.untyped_storage()
+        key = (t.device.type, s.data_ptr()) if t.device.type != "meta" else ("meta", id(s))
+        if key[1] not in params:
+            # the meta device cannot tell a shared storage apart: each save is counted (an upper bound)
+            seen[key] = (t.numel() * t.element_size()) if t.device.type == "meta" else s.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    del out
+    return sum(seen.values())
+
+
+def sft_step(model, ids, chunk):
+    from melt_eval.training.losses import sft_loss_from_hidden
+
+    out = model(ids, chunk_size=chunk, compute_logits=False)
+    mask = torch.ones_like(ids, dtype=torch.bool)
+    return sft_loss_from_hidden(model.lm_head, out.last_hidden_state, ids, mask)
+
+
+def child(seq_len: int, chunk: int) -> dict:
+    """Runs in a fresh process: one step, its saved bytes and the process's peak RSS."""
+    torch.set_num_threads(1)
+    model = build_melt(TINY)
+    ids = torch.randint(0, TINY["vocab_size"], (1, seq_len), generator=torch.Generator().manual_seed(0))
+    base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    loss = None
+
+    def step():
+        nonlocal loss
+        loss = sft_step(model, ids, chunk)
+        return loss
+
+    saved = saved_bytes(model, step)
+    loss.backward()
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return {"seq_len": seq_len, "chunk_size": chunk, "saved_bytes_per_token": saved / seq_len,
+            "peak_rss_bytes": peak, "base_rss_bytes": base}
+
+
+def measure(seq_len: int, chunk: int) -> dict:
+    code = f"import json, sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); import train_memory as m; print(json.dumps(m.child({seq_len}, {chunk})))"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def projection(seq_len=10_000, chunk=500, checkpointing=True) -> dict:
+    """Phase-1 step of MELT-1.6B on one GPU: saved activations from a meta-device forward, the rest by arithmetic."""
+    from melt_eval.modeling.kv_cache import TrainingKVBuffer
+
+    model = build_melt(OURO_1_4B, device="meta", checkpointing=checkpointing).to(torch.bfloat16)
+    cfg = model.config
+    d, N, T, V = cfg.hidden_size, cfg.num_hidden_layers, cfg.total_ut_steps, cfg.vocab_size
+    ids = torch.zeros(1, seq_len, dtype=torch.long, device="meta")
+    buffers = {}
+    real_init = TrainingKVBuffer.__init__
+
+    def spy(self, capacity):  # keep a handle on the step's KV buffer to read its size
+        real_init(self, capacity)
+        buffers["store"] = self
+
+    TrainingKVBuffer.__init__ = spy
+    try:
+        # alpha < 1 (phase 1's transition): both KV sets, the larger case; loop states for KD
+        saved = saved_bytes(None, lambda: model(ids, chunk_size=chunk, alpha=0.5, output_loop_states=True,
+                                                compute_logits=False).hidden_states)
+    finally:
+        TrainingKVBuffer.__init__ = real_init
+    kv_buffer = buffers["store"].nbytes
+    params = sum(p.numel() for p in model.parameters())
+    teacher_params = params - sum(p.numel() for p in model.gate_parameters())
+    bf16 = 2
+    parts = {
+        "saved_activations (meta-device forward, exact)": saved,
+        "kv_buffers (entries, alpha < 1: T x N mixed)": kv_buffer,
+        "kv_gradient_buffers (same size, allocated in backward)": kv_buffer,
+        "weights fp32 + grads fp32 + AdamW fp32 (4 + 4 + 8 bytes/param)": params * 16,
+        "teacher weights bf16": teacher_params * bf16,
+        "teacher loop hidden states for KD (T x L x d, bf16)": T * seq_len * d * bf16,
+        "student loop hidden states kept for KD (T x L x d, bf16)": T * seq_len * d * bf16,
+        "KD block: student + teacher fp32 logits, log-softmaxes, grad (6 x 2^25 x 4 bytes)": 6 * 2**25 * 4,
+    }
+    return {"shape": "MELT-1.6B (Ouro-1.4B + elementwise gates)", "seq_len": seq_len, "chunk_size": chunk,
+            "activation_checkpointing": checkpointing, "params": params, "parts_bytes": parts,
+            "total_bytes": sum(parts.values()), "saved_bytes_per_token": saved / seq_len}
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="L in {400, 800} only, no projection")
+    ap.add_argument("--json", action="store_true", help="print the measured rows as a JSON list")
+    ap.add_argument("--no-projection", action="store_true", help="skip the paper-shape projection")
+    args = ap.parse_args(argv)
+    lengths = [400, 800] if args.quick else [400, 800, 1600]
+    rows = [measure(L, C) for L in lengths for C in (L, L // 20)]
+    proj = None if args.no_projection or args.quick else projection()
+    if args.json:
+        print(json.dumps(rows if proj is None else rows + [{"projection": proj}], indent=1))
+        return rows
+    print(f"training activation memory: MELT tiny (d=128, N=2, T=4), B=1, float32, activation checkpointing, "
+          f"{platform.machine()} CPU")
+    print(f"{'L':>6} {'C':>6} {'saved B/token':>14} {'vs C=L':>7} {'peak RSS MiB':>13} {'base RSS MiB':>13}")
+    by_len = {r["seq_len"]: r for r in rows if r["chunk_size"] == r["seq_len"]}
+    for r in rows:
+        ratio = r["saved_bytes_per_token"] / by_len[r["seq_len"]]["saved_bytes_per_token"]
+        print(f"{r['seq_len']:>6} {r['chunk_size']:>6} {r['saved_bytes_per_token']:>14,.0f} {ratio:>6.2f}x "
+              f"{r['peak_rss_bytes'] / 2**20:>13,.1f} {r['base_rss_bytes'] / 2**20:>13,.1f}")
+    if proj:
+        print(f"\nprojection: {proj['shape']}, L = {proj['seq_len']:,}, C = {proj['chunk_size']}, phase 1 with the teacher "
+              f"and KD, B = 1, bf16 activations, activation checkpointing")
+        for name, b in proj["parts_bytes"].items():
+            print(f"  {b / 1e9:>7.2f} GB  {name}")
+        print(f"  {proj['total_bytes'] / 1e9:>7.2f} GB  total (80 GB H100: {'fits' if proj['total_bytes'] < 80e9 else 'does not fit'})")
+    return rows
+
+
+if __name__ == "__main__":
+    main()
