@@ -121,11 +121,18 @@ def main(argv=None) -> dict:
     full = next(r for r in rows if r["model"] == "melt" and r["chunk_size"] == L and r["alpha"] == 1.0)
     for r in rows:
         r["vs_parallel"] = r["tokens_per_s"] / full["tokens_per_s"]
+    # step time = fixed + per_chunk x chunks, least squares over the alpha = 1 rows
+    fit = [(-(-L // r["chunk_size"]), r["step_s"]) for r in rows if r["model"] == "melt" and r["alpha"] == 1.0]
+    n = len(fit)
+    mx, my = sum(x for x, _ in fit) / n, sum(y for _, y in fit) / n
+    var = sum((x - mx) ** 2 for x, _ in fit)
+    per_chunk = sum((x - mx) * (y - my) for x, y in fit) / var if var else float("nan")
 
     machine = (torch.cuda.get_device_name(device) if device.type == "cuda"
                else f"{platform.processor() or platform.machine()} CPU, {torch.get_num_threads()} threads")
     result = {"machine": machine, "preset": preset, "seq_len": L, "batch": B, "steps": steps,
-              "dtype": str(dtype).replace("torch.", ""), "loops": 4, "rows": rows}
+              "dtype": str(dtype).replace("torch.", ""), "loops": 4, "rows": rows,
+              "per_chunk_s": per_chunk, "fixed_s": my - per_chunk * mx}
     if args.json:
         print(json.dumps(result, indent=2))
     else:
@@ -138,6 +145,7 @@ def main(argv=None) -> dict:
             if "peak_gib" in r:
                 line += f"  {r['peak_gib']:>8.2f}"
             print(line)
+        print(f"step time fit: {result['fixed_s']:.3f} s + {per_chunk * 1e3:.1f} ms per chunk (MELT, alpha 1)")
     return result
 
 
