@@ -170,3 +170,41 @@ def test_a_steps_gradient_does_not_depend_on_how_it_is_bucketed(looplm):
         results.append(grads(student))
     for name in results[0]:
         torch.testing.assert_close(results[1][name], results[0][name], atol=1e-9, rtol=0, msg=name)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (an 80 GB H100)")
+def test_paper_phase1_step_fits_one_h100():
+    """MELT-1.6B (random weights), L = 10,000, C = 500, phase 1 with the frozen teacher and KD, B = 1."""
+    import time
+
+    from melt_eval.modeling import LoopLMConfig, LoopLMForCausalLM
+    from melt_eval.training.runner import param_groups
+
+    config = LoopLMConfig(hidden_size=2048, intermediate_size=5632, num_hidden_layers=24, num_attention_heads=16,
+                          head_dim=128, vocab_size=49152, total_ut_steps=4, max_position_embeddings=65536)
+    with torch.device("cuda"):
+        teacher = LoopLMForCausalLM(config)
+    student = MeltForCausalLM.from_looplm(teacher, gate="elementwise", seed=0).train()
+    student.model.early_exit_gate.requires_grad_(False)
+    student.gradient_checkpointing_enable()
+    teacher = teacher.to(torch.bfloat16).eval().requires_grad_(False)
+    recipe = load_recipe("paper-phase1", overrides={"data": [{"source": "synthetic"}]})
+    opt = torch.optim.AdamW(param_groups(student, recipe), betas=(0.9, 0.95))
+    L = 10_000
+    ids = torch.randint(0, config.vocab_size, (1, L), device="cuda")
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids, dtype=torch.bool),
+             "loss_mask": torch.ones_like(ids, dtype=torch.bool)}
+    torch.cuda.reset_peak_memory_stats()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        terms, _ = forward_objective(student, teacher, batch, recipe, 250, n_loss_tokens=L, n_tokens=L,
+                                     teacher_autocast=lambda: torch.autocast("cuda", dtype=torch.bfloat16))
+    terms.total.backward()
+    opt.step()
+    torch.cuda.synchronize()
+    dt = time.perf_counter() - t0
+    peak = torch.cuda.max_memory_allocated()
+    print(f"phase-1 step: peak {peak / 2**30:.1f} GiB, {L / dt:.0f} tokens/s")
+    assert peak < 80e9 and torch.isfinite(terms.total)
