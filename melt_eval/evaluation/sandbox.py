@@ -47,8 +47,10 @@ from pathlib import Path
 
 CLONE_NEWNS, CLONE_NEWCGROUP, CLONE_NEWUTS, CLONE_NEWIPC = 0x00020000, 0x02000000, 0x04000000, 0x08000000
 CLONE_NEWUSER, CLONE_NEWPID, CLONE_NEWNET = 0x10000000, 0x20000000, 0x40000000
-NEW_NAMESPACE_FLAGS = CLONE_NEWNS | CLONE_NEWCGROUP | CLONE_NEWUTS | CLONE_NEWIPC | CLONE_NEWUSER | CLONE_NEWPID | CLONE_NEWNET
-MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 1, 2, 4, 8, 32, 4096, 1 << 14, 1 << 18
+NEW_NAMESPACE_FLAGS = (CLONE_NEWNS | CLONE_NEWCGROUP | CLONE_NEWUTS | CLONE_NEWIPC | CLONE_NEWUSER | CLONE_NEWPID
+                       | CLONE_NEWNET)
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT, MS_BIND = 1, 2, 4, 8, 32, 4096
+MS_REC, MS_PRIVATE = 1 << 14, 1 << 18
 MS_NOATIME, MS_NODIRATIME, MS_RELATIME = 1024, 2048, 1 << 21
 MNT_DETACH = 2
 PR_SET_PDEATHSIG = 1
@@ -147,7 +149,9 @@ def _melt_eval_runner():
         prog = Prog(len(bpf) // 8, ctypes.addressof(buf))
         libc = ctypes.CDLL(None, use_errno=True)
         ul = ctypes.c_ulong
-        if libc.prctl(38, ul(1), ul(0), ul(0), ul(0)) != 0 or libc.prctl(22, ul(2), ctypes.byref(prog), ul(0), ul(0)) != 0:
+        # PR_SET_NO_NEW_PRIVS, then PR_SET_SECCOMP with SECCOMP_MODE_FILTER
+        if (libc.prctl(38, ul(1), ul(0), ul(0), ul(0)) != 0
+                or libc.prctl(22, ul(2), ctypes.byref(prog), ul(0), ul(0)) != 0):
             why = os.strerror(ctypes.get_errno())
             write(3, ("!seccomp " + why + "\n").encode())
             if strict:
@@ -159,7 +163,8 @@ def _melt_eval_runner():
     with open(path) as f:
         code = compile(f.read(), path, "exec")
     sys.argv = [path]
-    exec(code, {"__name__": "__main__", "__file__": path, "__builtins__": __builtins__})
+    # not "__main__": like OpenAI's human-eval, a completion's `if __name__ == "__main__":` demo does not run
+    exec(code, {"__name__": "program", "__file__": path, "__builtins__": __builtins__})
     write(3, token)
     for stream in (sys.stdout, sys.stderr):
         try:
@@ -222,6 +227,18 @@ def _interpreter() -> tuple[str, str]:
     return os.path.realpath("/usr/bin/python3"), "/usr"
 
 
+def _host_interpreter() -> str:
+    """Without a mount namespace (unsafe only) the program sees the host: a python `nobody` can reach."""
+    candidates = [os.path.realpath(sys.executable), "/usr/bin/python3", "/usr/local/bin/python3"]
+    if os.geteuid() != 0:
+        return candidates[0]
+    for cand in candidates:
+        path = Path(os.path.realpath(cand))
+        if path.exists() and all(p.stat().st_mode & 0o001 for p in [path, *path.parents]):
+            return str(path)
+    return candidates[0]
+
+
 def _write_id_maps(pid: int) -> None:
     """Map the launcher's user namespace: as root, root (the launcher) and nobody (the program); else oneself."""
     uid, gid = os.geteuid(), os.getegid()
@@ -277,6 +294,7 @@ def run_python(program: str, limits: SandboxLimits | None = None) -> SandboxResu
         box = workdir / "box"
         box.mkdir()
         (box / "program.py").write_text(program)
+        os.chmod(workdir, 0o711)  # without a mount namespace (unsafe) the program reaches box/ by its host path
         os.chmod(box, 0o755)  # readable by the program's user, not writable
         os.chmod(box / "program.py", 0o644)
         (workdir / "root").mkdir()
@@ -289,7 +307,8 @@ def run_python(program: str, limits: SandboxLimits | None = None) -> SandboxResu
         os.close(token_w)
         pipes.remove(token_w)
         config = {
-            "python": python, "prefix": prefix, "box": str(box), "root": str(workdir / "root"),
+            "python": python, "prefix": prefix, "host_python": _host_interpreter(),
+            "box": str(box), "root": str(workdir / "root"),
             "strict": strict, "status_fd": status_w, "result_fd": result_w, "go_fd": go_r,
             "uid": NOBODY if os.geteuid() == 0 else os.geteuid(), "gid": NOBODY if os.geteuid() == 0 else os.getegid(),
             "limits": limits.__dict__, "bpf": _filter_hex(strict),
@@ -317,6 +336,7 @@ def run_python(program: str, limits: SandboxLimits | None = None) -> SandboxResu
         results = _read_all(result_r)
         final = messages[-1] if messages and "status" in messages[-1] else {}
         layers = dict(next((m["layers"] for m in reversed(messages) if "layers" in m), {}))
+        layers["python"] = final.get("python")
         seccomp_line, _, emitted = results.partition(b"\n")
         layers["seccomp"] = seccomp_line == b"seccomp"
         layers["unsafe_local_exec"] = not strict
@@ -389,7 +409,7 @@ def _talk(proc: subprocess.Popen, status_r: int, go_w: int, timeout: float) -> t
 def describe() -> dict:
     """Which containment layers are active here (raises SandboxUnavailable if one is refused, unless unsafe)."""
     probe = run_python("pass", SandboxLimits(timeout_s=10))
-    return {"python": _interpreter()[0], **probe.layers,
+    return {**probe.layers,
             # names results have carried since the first sandbox
             "drops_to_nobody": probe.layers.get("unprivileged", False) and os.geteuid() == 0,
             "private_tmp": probe.layers.get("mount_namespace", False)}
@@ -469,8 +489,8 @@ def _launch(config: dict) -> None:
     home = "/tmp" if inside else config["box"]
     env = {"PATH": "/usr/bin:/bin", "HOME": home, "TMPDIR": home, "LANG": "C.UTF-8", "PYTHONHASHSEED": "0",
            "PYTHONDONTWRITEBYTECODE": "1"}
-    argv = [config["python"], "-I", "-S", "-B", "-c", _RUNNER, "program.py", config["bpf"],
-            "strict" if strict else "unsafe"]
+    python = config["python"] if inside else config["host_python"]
+    argv = [python, "-I", "-S", "-B", "-c", _RUNNER, "program.py", config["bpf"], "strict" if strict else "unsafe"]
     uid, gid = config["uid"], config["gid"]
     layers["unprivileged"] = uid != 0  # as root: nobody; else the user, with no capability left after exec
     lifeline_r, lifeline_w = (high(fd) for fd in os.pipe())
@@ -506,7 +526,7 @@ def _launch(config: dict) -> None:
                     os.killpg(program, signal.SIGKILL)  # best effort without a PID namespace
                 except OSError:
                     pass
-            report(status="timeout" if timed_out else "exited", returncode=rc, layers=layers)
+            report(status="timeout" if timed_out else "exited", returncode=rc, layers=layers, python=argv[0])
             os._exit(0)  # as PID 1: the kernel kills whatever the program left
         except BaseException as e:  # noqa: BLE001 - report anything, never return into the launcher
             try:
