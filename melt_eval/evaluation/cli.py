@@ -44,6 +44,9 @@ def register(app: typer.Typer) -> None:
         seed: int = typer.Option(0),
         force: bool = typer.Option(False, help="Recompute finished tasks and discard partial ones."),
         progress: bool = typer.Option(True, "--progress/--no-progress"),
+        unsafe_local_exec: bool = typer.Option(
+            False, "--unsafe-local-exec",
+            help="HumanEval: run model-written code even where the kernel refuses a sandbox layer."),
     ) -> None:
         """Evaluate a model with LightEval and the paper's protocol; resumable."""
         from melt_eval.evaluation import run_tasks
@@ -53,7 +56,7 @@ def register(app: typer.Typer) -> None:
                 tasks, model, output=output, backend=backend, samples=samples, temperature=temperature, top_p=top_p,
                 max_new_tokens=max_new_tokens, max_problems=max_problems, loops=loops, kv_sharing=kv_sharing,
                 share_prompt=share_prompt, prefill_chunk=prefill_chunk, data_dir=data_dir, seed=seed, force=force,
-                progress=progress, name=name,
+                progress=progress, name=name, unsafe_local_exec=unsafe_local_exec,
             )
         except KeyboardInterrupt:
             typer.secho("interrupted: finished problems are saved; run the same command again to continue",
@@ -68,6 +71,9 @@ def register(app: typer.Typer) -> None:
         data_dir: Optional[Path] = typer.Option(None, "--data-dir"),
         fmt: str = typer.Option("table", "--format", help="table | json"),
         details: Optional[Path] = typer.Option(None, "--details", help="Also write per-problem details here (JSONL)."),
+        unsafe_local_exec: bool = typer.Option(
+            False, "--unsafe-local-exec",
+            help="HumanEval: run model-written code even where the kernel refuses a sandbox layer."),
     ) -> None:
         """Score saved or external completions with the task's metric."""
         from melt_eval.errors import UserError
@@ -75,7 +81,7 @@ def register(app: typer.Typer) -> None:
 
         if fmt not in ("table", "json"):
             raise UserError("--format must be table or json")
-        result = score_completions(task, completions, data_dir=data_dir)
+        result = score_completions(task, completions, data_dir=data_dir, unsafe_local_exec=unsafe_local_exec)
         if details:
             details.write_text("".join(json.dumps(d) + "\n" for d in result["details"]))
         if fmt == "json":

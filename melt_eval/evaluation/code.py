@@ -2,8 +2,10 @@
 
 The gold "answer" LightEval carries for a problem is the JSON of its prompt, tests and entry point;
 LightEval's pass@k metric calls `humaneval_score` on each completion, which assembles the program
-(the completion's code, the problem's tests, `check(entry_point)`) and runs it in
-`melt_eval.evaluation.sandbox` with wall-time, CPU, memory, process and output limits and no network.
+(the completion's code, the problem's tests, `check(entry_point)` last) and runs it in
+`melt_eval.evaluation.sandbox` (namespaces, seccomp, rlimits). It passes only if the program ran to its
+end, i.e. `check` returned: the sandbox's per-run token proves it, so an early `sys.exit(0)`/`os._exit(0)`,
+a kill or a timeout is a failure, as in OpenAI's human-eval.
 """
 
 from __future__ import annotations

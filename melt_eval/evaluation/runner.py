@@ -335,12 +335,14 @@ def run_tasks(
     force: bool = False,
     progress: bool = True,
     name: str | None = None,
+    unsafe_local_exec: bool = False,
 ) -> list[dict]:
     """Evaluate `model` on `tasks` with the paper's protocol; see docs/CONTRACTS.md."""
     names = expand(tasks)
     _check_options(samples, temperature, top_p, max_new_tokens, max_problems, kv_sharing, prefill_chunk)
     # every task's data first: a missing file fails before any model is loaded
     rows = {task: data.load_rows(SPECS[task], data_dir, max_problems) for task in names}
+    _require_sandbox(names, unsafe_local_exec)
     loaded = None
     out = []
     try:
@@ -401,13 +403,23 @@ def _run_one(spec, rows, loaded: LoadedModel, settings, identity, task_dir: Path
     return result
 
 
-def score_completions(task: str, completions_file: str | Path, *, data_dir=None, max_problems=None) -> dict:
+def _require_sandbox(names: list[str], unsafe_local_exec: bool) -> None:
+    """Model-written code runs only in the full sandbox: refuse before any model loads (unless unsafe)."""
+    if any(SPECS[name].kind == "code" for name in names):
+        from melt_eval.evaluation.sandbox import require
+
+        require(unsafe_local_exec)
+
+
+def score_completions(task: str, completions_file: str | Path, *, data_dir=None, max_problems=None,
+                      unsafe_local_exec: bool = False) -> dict:
     """Metrics of saved or external completions (`melt-eval score`), through the same LightEval path."""
     import tempfile
 
     names = expand(task)
     if len(names) != 1:
         raise UserError("score takes one task")
+    _require_sandbox(names, unsafe_local_exec)
     spec = SPECS[names[0]]
     rows = data.load_rows(spec, data_dir, max_problems)
     by_position = data.read_completions(Path(completions_file), rows)
