@@ -414,7 +414,7 @@ def _prepare_output(output: Path, recipe: Recipe, resume: bool) -> tuple[Recipe,
     meta = _read_meta(output)
     if meta is None and not (output / "recipe.yaml").exists():
         raise UserError(f"--resume: {output} holds no training run (no recipe.yaml); start it without --resume")
-    notes = [f"ignoring {meta} (it is rewritten now)"] if isinstance(meta, str) else []
+    notes = [f"{meta}; ignoring it (it is rewritten now)"] if isinstance(meta, str) else []
     if isinstance(meta, dict) and meta.get("status") == "finished":
         raise UserError(f"--resume: the run in {output} has already finished; choose another --output for a new run")
     old, recipe_notes = _saved_recipe(output, meta)
@@ -423,6 +423,8 @@ def _prepare_output(output: Path, recipe: Recipe, resume: bool) -> tuple[Recipe,
     if diff:
         detail = ", ".join(f"{k}: {getattr(old, k)!r} -> {getattr(recipe, k)!r}" for k in diff[:6])
         raise UserError(f"--resume must use the interrupted run's recipe; these keys differ ({detail}). Rerun the same command with --resume")
+    for leftover in [*output.glob(".*.tmp"), *output.glob("logs/.*.tmp")]:  # atomic writes cut short
+        leftover.unlink(missing_ok=True)
     candidates, ckpt_notes = _resume_candidates(output)
     return recipe, candidates, notes + ckpt_notes
 
