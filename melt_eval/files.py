@@ -159,7 +159,7 @@ class DirLock:
                 continue
             self.previous = _read_record(fd) or None
             record = {"pid": os.getpid(), "host": socket.gethostname(),
-                      "since": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "command": " ".join(sys.argv)[:300]}
+                      "since": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]])[:300]}
             os.ftruncate(fd, 0)
             os.pwrite(fd, (json.dumps(record) + "\n").encode(), 0)
             self.fd = fd

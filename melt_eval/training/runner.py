@@ -287,11 +287,17 @@ def _prune(output: Path, step: int, keep: int) -> None:
             remove_tree(ckpt)
 
 
+def _remove_leftovers(output: Path) -> None:
+    """What an interrupted save, deletion or atomic write left (the main process, under the lock)."""
+    root = output / "checkpoints"
+    for leftover in [*root.glob(".tmp-step-*"), *root.glob(".trash-*")]:
+        shutil.rmtree(leftover, ignore_errors=True)
+    for leftover in [*output.glob(".*.tmp"), *output.glob("logs/.*.tmp")]:
+        leftover.unlink(missing_ok=True)
+
+
 def _resume_candidates(output: Path) -> tuple[list[Path], list[str]]:
     """Complete checkpoints, newest first, and a note naming the incomplete ones newer than those."""
-    root = output / "checkpoints"
-    for leftover in [*root.glob(".tmp-step-*"), *root.glob(".trash-*")]:  # interrupted saves and deletions
-        shutil.rmtree(leftover, ignore_errors=True)
     complete, skipped = [], []
     for ckpt in reversed(_checkpoints(output)):
         problem = _checkpoint_problem(ckpt)
@@ -423,8 +429,10 @@ def _prepare_output(output: Path, recipe: Recipe, resume: bool) -> tuple[Recipe,
     if diff:
         detail = ", ".join(f"{k}: {getattr(old, k)!r} -> {getattr(recipe, k)!r}" for k in diff[:6])
         raise UserError(f"--resume must use the interrupted run's recipe; these keys differ ({detail}). Rerun the same command with --resume")
-    for leftover in [*output.glob(".*.tmp"), *output.glob("logs/.*.tmp")]:  # atomic writes cut short
-        leftover.unlink(missing_ok=True)
+    from accelerate import PartialState
+
+    if PartialState().is_main_process:
+        _remove_leftovers(output)
     candidates, ckpt_notes = _resume_candidates(output)
     return recipe, candidates, notes + ckpt_notes
 
