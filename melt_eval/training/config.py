@@ -140,11 +140,43 @@ def _check_keys(raw: dict, origin: str) -> None:
         raise UserError(f"unknown recipe key(s) {', '.join(unknown)} in {origin}; valid keys: {', '.join(valid)}")
 
 
-def _read_yaml(path: Path) -> dict:
+class _RecipeLoader(yaml.SafeLoader):
+    """SafeLoader without aliases. A recipe never needs them, and a few nested levels of
+    `b: [*a, *a, ...]` (an alias bomb) stand for billions of values once the recipe is copied."""
+
+    def compose_node(self, parent, index):
+        if self.check_event(yaml.AliasEvent):
+            event = self.peek_event()
+            raise yaml.composer.ComposerError(None, None, f"YAML aliases (*{event.anchor}) are not allowed in recipes",
+                                              event.start_mark)
+        return super().compose_node(parent, index)
+
+
+def parse_yaml(text: str, origin: str):
+    """YAML text of recipe values (a file, a --set value); a one-line UserError naming `origin` if it is not."""
     try:
-        raw = yaml.safe_load(path.read_text()) or {}
+        return yaml.load(text, Loader=_RecipeLoader)
     except yaml.YAMLError as exc:
-        raise UserError(f"{path} is not valid YAML ({str(exc).splitlines()[0]})") from None
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        raise UserError(f"{origin} is not valid YAML ({problem}{where})") from None
+    except RecursionError:
+        raise UserError(f"{origin} is nested too deeply to be a recipe") from None
+
+
+def read_yaml_file(path: Path, what: str = "recipe"):
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise UserError(f"{path} is not UTF-8 text; save the {what} as UTF-8") from None
+    except IsADirectoryError:
+        raise UserError(f"{path} is a directory; pass a YAML file") from None
+    return parse_yaml(text, str(path))
+
+
+def _read_yaml(path: Path) -> dict:
+    raw = read_yaml_file(path) or {}
     if not isinstance(raw, dict):
         raise UserError(f"{path} must be a mapping of recipe keys to values")
     _check_keys(raw, str(path))
@@ -173,7 +205,7 @@ def parse_set(items: list[str]) -> dict:
         key, sep, value = item.partition("=")
         if not sep or not key.strip():
             raise UserError(f"--set expects key=value, got {item!r}")
-        out[key.strip()] = yaml.safe_load(value) if value.strip() else None
+        out[key.strip()] = parse_yaml(value, f"--set {key.strip()}") if value.strip() else None
     _check_keys(out, "--set")
     return out
 

@@ -13,6 +13,11 @@ Output directory layout:
     DIR/recipe.yaml                                       the fully resolved recipe
     DIR/checkpoints/step-000100/{state/, trainer_state.json}   resumable (Accelerate state + data position)
     DIR/logs/metrics.jsonl, DIR/logs/tb/                   per-step metrics, TensorBoard
+    DIR/.melt-eval.lock                                    held while a run writes here (melt_eval.files.DirLock)
+
+A checkpoint is written to checkpoints/.tmp-step-N, fsynced, then renamed to step-N, with
+trainer_state.json (last) listing every state file and its size; `--resume` takes the newest
+step-N whose files are all there at their sizes and that loads, naming any it skipped.
 """
 
 from __future__ import annotations
@@ -30,7 +35,8 @@ import torch
 import yaml
 
 from melt_eval.errors import UserError
-from melt_eval.training.config import Recipe
+from melt_eval.files import DirLock, fsync_dir, fsync_tree, remove_tree, write_json_atomic, write_text_atomic
+from melt_eval.training.config import Recipe, parse_yaml
 from melt_eval.training.data import DataStream, bucket
 from melt_eval.training.losses import objective
 
@@ -69,10 +75,20 @@ def check_teacher(student, teacher) -> None:
 
 
 def _recorded_teacher(model_dir: Path) -> str | None:
-    meta = model_dir / META_FILE
-    if meta.is_file():
-        return json.loads(meta.read_text()).get("teacher")
-    return None
+    meta = _read_meta(model_dir)
+    return meta.get("teacher") if isinstance(meta, dict) else None
+
+
+def _read_meta(run_dir: Path) -> dict | str | None:
+    """The run's META_FILE as a dict; None if absent; a string saying what is wrong if unreadable."""
+    path = run_dir / META_FILE
+    if not path.is_file():
+        return None
+    try:
+        meta = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        return f"{path.name} is unreadable ({str(exc).splitlines()[0][:80]})"
+    return meta if isinstance(meta, dict) else f"{path.name} is not a JSON object"
 
 
 def build_models(recipe: Recipe):
@@ -170,14 +186,134 @@ def code_version() -> dict:
     return out
 
 
+# --- checkpoints ---------------------------------------------------------------------------------
+
+
 def _checkpoints(output: Path) -> list[Path]:
-    return sorted((output / "checkpoints").glob("step-*"), key=lambda p: int(p.name.split("-")[1]))
+    """checkpoints/step-N directories, oldest first (complete or not: see `_checkpoint_problem`)."""
+    found = [p for p in (output / "checkpoints").glob("step-*") if p.name[5:].isdigit() and p.is_dir()]
+    return sorted(found, key=lambda p: int(p.name[5:]))
 
 
-def _write_json(path: Path, data: dict) -> None:
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(data, indent=2, default=str))
-    os.replace(tmp, path)
+def _trainer_state(ckpt: Path) -> dict | str:
+    """A checkpoint's trainer_state.json, or a string saying why it cannot be used."""
+    try:
+        state = json.loads((ckpt / "trainer_state.json").read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return "no trainer_state.json"
+    except (OSError, ValueError):
+        return "trainer_state.json is cut or corrupt"
+    if not isinstance(state, dict) or not all(k in state for k in ("step", "tokens_seen", "data")):
+        return "trainer_state.json is incomplete"
+    if state["step"] != int(ckpt.name[5:]):
+        return f"trainer_state.json is for step {state['step']}"
+    return state
+
+
+def _checkpoint_problem(ckpt: Path) -> str | None:
+    """None if every file the checkpoint listed is there at its size, else what is wrong."""
+    state = _trainer_state(ckpt)
+    if isinstance(state, str):
+        return state
+    files = state.get("files")
+    if not isinstance(files, dict):  # written before checkpoints listed their files: loading is the test
+        return None if (ckpt / "state").is_dir() and any((ckpt / "state").iterdir()) else "state/ is empty"
+    for rel, size in files.items():
+        path = ckpt / rel
+        if not path.is_file():
+            return f"{rel} is missing"
+        if path.stat().st_size != size:
+            return f"{rel} has {path.stat().st_size:,} of {size:,} bytes"
+    return None
+
+
+def write_checkpoint(accelerator, output: Path, trainer_state: dict, keep: int, last_good: Path | None) -> Path:
+    """checkpoints/step-N, atomically: saved to a hidden temporary directory, trainer_state.json
+    (with the list of files and sizes) written last, everything fsynced, then renamed into place.
+    An interruption at any point leaves the previous checkpoints intact and no step-N that is not whole."""
+    root = output / "checkpoints"
+    final = root / f"step-{trainer_state['step']:06d}"
+    tmp = root / f".tmp-{final.name}"
+    main = accelerator.is_main_process
+    if main:
+        root.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)  # left by an interrupted save
+    accelerator.wait_for_everyone()
+    try:
+        accelerator.save_state(str(tmp / "state"))
+        accelerator.wait_for_everyone()
+        if main:
+            files = {p.relative_to(tmp).as_posix(): p.stat().st_size for p in sorted((tmp / "state").rglob("*")) if p.is_file()}
+            write_json_atomic(tmp / "trainer_state.json", {**trainer_state, "files": files})
+            fsync_tree(tmp)
+            if final.exists():  # an incomplete one skipped by --resume, now redone
+                remove_tree(final)
+            os.replace(tmp, final)
+            fsync_dir(root)
+    except Exception as exc:  # a full disk shows as OSError or as torch's RuntimeError
+        if main:
+            shutil.rmtree(tmp, ignore_errors=True)
+        where = f"the last complete checkpoint is {last_good.name}" if last_good else "no checkpoint was written yet"
+        raise UserError(f"could not write checkpoint {final.name} ({str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__}); "
+                        f"{where}; free disk space if it is full, then rerun with --resume") from None
+    if main:
+        _prune(output, trainer_state["step"], keep)
+    accelerator.wait_for_everyone()
+    return final
+
+
+def _prune(output: Path, step: int, keep: int) -> None:
+    """Keep the newest `keep` complete checkpoints up to `step`. The others go: older ones, incomplete
+    ones, and any beyond `step` (left by a run that resumed from before them)."""
+    complete = [c for c in _checkpoints(output) if int(c.name[5:]) <= step and _checkpoint_problem(c) is None]
+    kept = set(complete[-keep:])
+    for ckpt in _checkpoints(output):
+        if ckpt not in kept:
+            remove_tree(ckpt)
+
+
+def _remove_leftovers(output: Path) -> None:
+    """What an interrupted save, deletion or atomic write left (the main process, under the lock)."""
+    root = output / "checkpoints"
+    for leftover in [*root.glob(".tmp-step-*"), *root.glob(".trash-*")]:
+        shutil.rmtree(leftover, ignore_errors=True)
+    for leftover in [*output.glob(".*.tmp"), *output.glob("logs/.*.tmp")]:
+        leftover.unlink(missing_ok=True)
+
+
+def _resume_candidates(output: Path) -> tuple[list[Path], list[str]]:
+    """Complete checkpoints, newest first, and a note naming the incomplete ones newer than those."""
+    complete, skipped = [], []
+    for ckpt in reversed(_checkpoints(output)):
+        problem = _checkpoint_problem(ckpt)
+        if problem is None:
+            complete.append(ckpt)
+        elif not complete:
+            skipped.append(f"{ckpt.name} ({problem})")
+    notes = [f"skipping incomplete checkpoint{'s' if len(skipped) > 1 else ''} {'; '.join(skipped)}"] if skipped else []
+    return complete, notes
+
+
+def _load_checkpoint(accelerator, stream, output: Path, candidates: list[Path]) -> tuple[int, int, Path | None]:
+    """Load the newest checkpoint that loads; returns (step, tokens seen, checkpoint)."""
+    failed = []
+    for ckpt in candidates:
+        state = _trainer_state(ckpt)
+        try:
+            accelerator.load_state(str(ckpt / "state"))
+        except Exception as exc:  # corrupt bytes its size did not betray (torch, safetensors, pickle errors)
+            failed.append(f"{ckpt.name} ({type(exc).__name__}: {str(exc).splitlines()[0][:120] if str(exc) else ''})")
+            continue
+        stream.load_state_dict(state["data"])
+        if failed:
+            accelerator.print(f"skipping checkpoint{'s' if len(failed) > 1 else ''} that did not load: {'; '.join(failed)}")
+        accelerator.print(f"resuming {output} at step {state['step']} from {ckpt.name}")
+        return state["step"], state["tokens_seen"], ckpt
+    if failed:  # the model may hold part of a failed load: do not train on from it
+        raise UserError(f"--resume: no checkpoint in {output / 'checkpoints'} loads ({'; '.join(failed)}); "
+                        "move them away to restart from step 0, or train into a new --output")
+    accelerator.print(f"no complete checkpoint in {output}; starting from step 0")
+    return 0, 0, None
 
 
 class Logger:
@@ -190,9 +326,20 @@ class Logger:
         if not enabled:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        if self.path.exists():  # drop records of steps the resumed run will redo
-            keep = [l for l in self.path.read_text().splitlines() if l.strip() and json.loads(l).get("step", 0) <= resume_step]
-            self.path.write_text("".join(l + "\n" for l in keep))
+        self.note = None
+        if self.path.exists():  # drop records of steps the resumed run will redo, and lines cut by an interruption
+            keep, cut = [], 0
+            for line in self.path.read_text(encoding="utf-8", errors="replace").splitlines():
+                try:
+                    record = json.loads(line)
+                except ValueError:
+                    cut += bool(line.strip())
+                    continue
+                if isinstance(record, dict) and isinstance(record.get("step"), int) and record["step"] <= resume_step:
+                    keep.append(line)
+            write_text_atomic(self.path, "".join(line + "\n" for line in keep))
+            if cut:
+                self.note = f"dropped {cut} cut line{'s' if cut > 1 else ''} of {self.path}"
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
@@ -221,45 +368,90 @@ class Logger:
 # --- the run -------------------------------------------------------------------------------------
 
 
-def _prepare_output(output: Path, recipe: Recipe, resume: bool) -> tuple[Recipe, Path | None]:
-    """Check the output directory against --resume; return the recipe to run and the checkpoint to load."""
-    saved = output / "recipe.yaml"
-    meta = output / META_FILE
+def _saved_recipe(output: Path, meta: dict | str | None) -> tuple[Recipe, list[str]]:
+    """The interrupted run's recipe: recipe.yaml, or the copy in META_FILE where recipe.yaml is cut or corrupt."""
+    found, problems = [], []
+    try:
+        raw = parse_yaml((output / "recipe.yaml").read_text(encoding="utf-8"), "recipe.yaml")
+        if not isinstance(raw, dict):
+            raise UserError("recipe.yaml is not a mapping")
+        found.append(("recipe.yaml", raw))
+    except (OSError, ValueError, UserError) as exc:
+        problems.append("recipe.yaml is missing" if isinstance(exc, FileNotFoundError) else f"recipe.yaml is unreadable ({exc})")
+    if isinstance(meta, dict) and isinstance(meta.get("recipe"), dict):
+        found.append((META_FILE, meta["recipe"]))
+    names = set(Recipe.field_names())
+    # a file cut at a line boundary still parses: prefer the copy that holds the most recipe keys
+    found = [(origin, raw) for origin, raw in found if set(raw) <= names]
+    if not found:
+        detail = "; ".join(problems) or "it has no recipe"
+        raise UserError(f"--resume: cannot read the recipe of the run in {output} ({detail}); start a new run in another --output")
+    origin, raw = max(found, key=lambda item: len(item[1]))
+    notes = [] if origin == "recipe.yaml" else [
+        f"{problems[0] if problems else 'recipe.yaml is incomplete'}; using the recipe recorded in {META_FILE}"]
+    try:
+        return Recipe(**raw), notes
+    except TypeError as exc:
+        raise UserError(f"--resume: the recipe recorded in {output / origin} is unusable ({exc})") from None
+
+
+def _prepare_output(output: Path, recipe: Recipe, resume: bool) -> tuple[Recipe, list[Path], list[str]]:
+    """Check the output directory against --resume; return the recipe to run, the checkpoints to try
+    loading (newest complete first) and notes for the user (what was skipped or recovered)."""
     if not resume:
-        if saved.exists() or _checkpoints(output):
+        if (output / "recipe.yaml").exists() or (output / META_FILE).exists() or _checkpoints(output):
             raise UserError(f"{output} already holds a training run; pass --resume to continue it or choose another --output")
-        return recipe, None
-    if not saved.exists():
+        return recipe, [], []
+    meta = _read_meta(output)
+    if meta is None and not (output / "recipe.yaml").exists():
         raise UserError(f"--resume: {output} holds no training run (no recipe.yaml); start it without --resume")
-    if meta.exists() and json.loads(meta.read_text()).get("status") == "finished":
+    notes = [f"{meta}; ignoring it (it is rewritten now)"] if isinstance(meta, str) else []
+    if isinstance(meta, dict) and meta.get("status") == "finished":
         raise UserError(f"--resume: the run in {output} has already finished; choose another --output for a new run")
-    old = Recipe(**yaml.safe_load(saved.read_text()))
+    old, recipe_notes = _saved_recipe(output, meta)
+    notes += recipe_notes
     diff = [k for k in Recipe.field_names() if k not in RESUME_MUTABLE and getattr(old, k) != getattr(recipe, k)]
     if diff:
         detail = ", ".join(f"{k}: {getattr(old, k)!r} -> {getattr(recipe, k)!r}" for k in diff[:6])
         raise UserError(f"--resume must use the interrupted run's recipe; these keys differ ({detail}). Rerun the same command with --resume")
-    ckpts = _checkpoints(output)
-    return recipe, (ckpts[-1] if ckpts else None)
+    from accelerate import PartialState
+
+    if PartialState().is_main_process:
+        _remove_leftovers(output)
+    candidates, ckpt_notes = _resume_candidates(output)
+    return recipe, candidates, notes + ckpt_notes
 
 
-@torch.enable_grad()  # whatever the caller's mode (an evaluation earlier in the process may have turned it off)
 def train(recipe: Recipe, output: str | Path, *, resume: bool = False, progress: bool = True, stop_after: int | None = None) -> Path:
     """Run a recipe; returns the output directory (the final model is written there).
 
-    stop_after: stop (with a resumable checkpoint) once this many optimiser steps are done,
-    as if interrupted; used by tests of --resume.
+    The output directory is locked for the run (melt_eval.files.DirLock): a second `train` into it
+    is refused with the PID of the first. stop_after: stop (with a resumable checkpoint) once this
+    many optimiser steps are done, as if interrupted; used by tests of --resume.
     """
+    from accelerate import PartialState
+
+    output = Path(output).expanduser().resolve()
+    # the main process holds the lock for all of them (other ranks write only checkpoint shards)
+    lock = DirLock(output, "training run") if PartialState().is_main_process else contextlib.nullcontext()
+    with lock:
+        return _train(recipe, output, resume=resume, progress=progress, stop_after=stop_after)
+
+
+@torch.enable_grad()  # whatever the caller's mode (an evaluation earlier in the process may have turned it off)
+def _train(recipe: Recipe, output: Path, *, resume: bool, progress: bool, stop_after: int | None) -> Path:
     from accelerate import Accelerator
     from accelerate.utils import set_seed
 
-    output = Path(output).expanduser().resolve()
-    recipe, ckpt = _prepare_output(output, recipe, resume)
+    recipe, candidates, notes = _prepare_output(output, recipe, resume)
     mp = recipe.mixed_precision
     if mp == "auto":
         mp = "bf16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "no"
     accelerator = Accelerator(mixed_precision=mp)
     set_seed(recipe.seed)
     main = accelerator.is_main_process
+    for note in notes:
+        accelerator.print(f"note: {note}")
 
     student, teacher, tokenizer, info = build_models(recipe)
     if main and info.get("gate_note"):
@@ -283,13 +475,9 @@ def train(recipe: Recipe, output: str | Path, *, resume: bool = False, progress:
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
     accum = recipe.grad_accum_steps(world)
 
-    start_step, tokens_seen = 0, 0
-    if ckpt is not None:
-        accelerator.load_state(str(ckpt / "state"))
-        state = json.loads((ckpt / "trainer_state.json").read_text())
-        start_step, tokens_seen = state["step"], state["tokens_seen"]
-        stream.load_state_dict(state["data"])
-        accelerator.print(f"resuming {output} at step {start_step} from {ckpt.name}")
+    start_step, tokens_seen, last_good = 0, 0, None
+    if resume:
+        start_step, tokens_seen, last_good = _load_checkpoint(accelerator, stream, output, candidates)
 
     meta = {"status": "running", "recipe": recipe.to_dict(), "phase": recipe.phase, "target": recipe.target,
             "teacher": info.get("teacher"), "teacher_path": info.get("teacher_path"), "from_model": info["from_model"],
@@ -297,24 +485,18 @@ def train(recipe: Recipe, output: str | Path, *, resume: bool = False, progress:
             "grad_accum_steps": accum}
     if main:
         output.mkdir(parents=True, exist_ok=True)
-        (output / "recipe.yaml").write_text(yaml.safe_dump(recipe.to_dict(), sort_keys=False))
-        _write_json(output / META_FILE, meta)
+        write_text_atomic(output / "recipe.yaml", yaml.safe_dump(recipe.to_dict(), sort_keys=False))
+        write_json_atomic(output / META_FILE, meta)
     logger = Logger(output, main, recipe.tensorboard, start_step)
+    if logger.note:
+        accelerator.print(f"note: {logger.note}")
 
     learned_gate = any(True for _ in student.gate_parameters()) if hasattr(student, "gate_parameters") else False
     step = start_step
-    last_good = _checkpoints(output)[-1] if _checkpoints(output) else None
 
     def save_checkpoint() -> Path:
-        path = output / "checkpoints" / f"step-{step:06d}"
-        accelerator.wait_for_everyone()
-        accelerator.save_state(str(path / "state"))
-        if main:
-            _write_json(path / "trainer_state.json", {"step": step, "tokens_seen": tokens_seen, "data": stream.state_dict()})
-            for old in _checkpoints(output)[: -recipe.keep_checkpoints]:
-                shutil.rmtree(old, ignore_errors=True)
-        accelerator.wait_for_everyone()
-        return path
+        trainer_state = {"step": step, "tokens_seen": tokens_seen, "data": stream.state_dict()}
+        return write_checkpoint(accelerator, output, trainer_state, recipe.keep_checkpoints, last_good)
 
     bar = _progress(progress and main)
     task = bar.add_task(f"{recipe.target} phase {recipe.phase}" if recipe.target == "melt" else "looplm", total=recipe.max_steps, completed=start_step, status="")
@@ -444,7 +626,7 @@ def _export(accelerator, model, tokenizer, output: Path, meta: dict) -> None:
         with quiet_transformers():
             unwrapped.save_pretrained(output, state_dict=state_dict, safe_serialization=True)
         tokenizer.save_pretrained(output)
-        _write_json(output / META_FILE, meta)
+        write_json_atomic(output / META_FILE, meta)
     accelerator.wait_for_everyone()
 
 

@@ -1,0 +1,214 @@
+"""Files the harness writes: atomic replacement, and one writer per directory.
+
+Atomic writes follow the usual recipe (HF Trainer and torchtune do the same for checkpoints): write a
+temporary file beside the target, fsync it, `os.replace` it over the target, fsync the directory. A
+reader, or a run resumed after `kill -9`, a full disk or a power cut, sees the old file or the new
+one, never a cut one.
+
+`DirLock(dir)` makes one process the only writer of a directory (a results task directory, a
+training output). It holds `fcntl.flock` on `dir/.melt-eval.lock`, a file that also records the
+holder's PID, host and command, as pip's and git's lock files do, so a refused writer can be told
+who holds it. The kernel drops a flock when its holder dies, however it dies, so a lock left by a
+killed process (its PID dead) is simply taken over; there is no stale lock to delete by hand.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import shutil
+import socket
+import sys
+import tempfile
+import time
+from contextlib import suppress
+from pathlib import Path
+
+from melt_eval.errors import UserError
+
+LOCK_NAME = ".melt-eval.lock"
+
+
+def fsync_dir(path: Path) -> None:
+    """Make a directory's entries (a rename, a new file) durable."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_tree(root: Path) -> None:
+    """fsync every file and directory under `root` (a checkpoint before it is renamed into place)."""
+    for dirpath, _, filenames in os.walk(root):
+        for name in filenames:
+            fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        fsync_dir(Path(dirpath))
+
+
+def write_bytes_atomic(path: Path, data: bytes) -> None:
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with suppress(OSError):
+            os.unlink(tmp)
+        raise
+    fsync_dir(path.parent)
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    write_bytes_atomic(path, text.encode("utf-8"))
+
+
+def write_json_atomic(path: Path, obj) -> None:
+    write_text_atomic(path, json.dumps(obj, indent=2, default=str) + "\n")
+
+
+def remove_tree(path: Path) -> None:
+    """Delete a directory so that an interruption never leaves a part of it under its own name:
+    rename it to a hidden `.trash-` sibling first, then delete that."""
+    trash = path.with_name(f".trash-{path.name}-{os.getpid()}")
+    os.replace(path, trash)
+    shutil.rmtree(trash, ignore_errors=True)
+
+
+# ------------------------------------------------------------------------------- locks
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, owned by someone else
+        return True
+    return True
+
+
+def _describe(holder: dict, lock_file: Path) -> str:
+    pid, host = holder.get("pid"), holder.get("host")
+    if not isinstance(pid, int):
+        return "a process that is just starting"
+    where = f"PID {pid}" + (f" on {host}" if host and host != socket.gethostname() else "")
+    if host in (None, socket.gethostname()) and not _alive(pid):
+        return f"a process started by {where}, which has exited (find it with `fuser {lock_file}`)"
+    since = holder.get("since")
+    command = str(holder.get("command") or "")[:120]
+    return where + (f", since {since}" if since else "") + (f": {command}" if command else "")
+
+
+class DirLock:
+    """The exclusive writer's lock on `directory` (created if missing). Use as a context manager;
+    a second writer gets a UserError naming the holder's PID. Nothing waits: a refused writer exits.
+
+    `what` names the writer in the message ("evaluation", "training run"). `previous` is the record of
+    a holder that died holding it (its lock was taken over), else None.
+    """
+
+    def __init__(self, directory: Path, what: str) -> None:
+        self.directory = Path(directory)
+        self.path = self.directory / LOCK_NAME
+        self.what = what
+        self.fd: int | None = None
+        self.created: list[Path] = []  # directories this lock made, removed again if left empty
+        self.previous: dict | None = None
+
+    def __enter__(self) -> "DirLock":
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+    def acquire(self) -> None:
+        if self.directory.exists() and not self.directory.is_dir():
+            raise UserError(f"{self.directory} is a file; the {self.what} needs a directory there: choose another path")
+        for _ in range(50):
+            self._make_directory()
+            try:
+                fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            except FileNotFoundError:  # a releasing holder removed the (empty) directory in between
+                continue
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = _read_record(fd)
+                os.close(fd)
+                raise UserError(
+                    f"{self.directory} is being written by another {self.what} ({_describe(holder, self.path)}); "
+                    "wait for it to finish or stop it: two writers would mix their files"
+                ) from None
+            # the previous holder unlinks the file before unlocking it: what we locked must still be the file
+            try:
+                same = os.stat(self.path).st_ino == os.fstat(fd).st_ino
+            except FileNotFoundError:
+                same = False
+            if not same:
+                os.close(fd)
+                continue
+            self.previous = _read_record(fd) or None
+            record = {"pid": os.getpid(), "host": socket.gethostname(),
+                      "since": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]])[:300]}
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, (json.dumps(record) + "\n").encode(), 0)
+            self.fd = fd
+            return
+        raise UserError(f"could not lock {self.directory}: it kept changing under us; try again")
+
+    def release(self) -> None:
+        if self.fd is None:
+            return
+        with suppress(OSError):  # unlink while still holding it, so nobody locks a file about to vanish
+            os.unlink(self.path)
+        os.close(self.fd)
+        self.fd = None
+        for made in reversed(self.created):  # a refused or failed writer leaves no empty directories
+            try:
+                made.rmdir()
+            except OSError:
+                break
+        self.created = []
+
+    def _make_directory(self) -> None:
+        missing = []
+        d = self.directory
+        while not d.exists() and d != d.parent:
+            missing.append(d)
+            d = d.parent
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+        except (FileExistsError, NotADirectoryError):
+            raise UserError(f"cannot create {self.directory}: a part of that path is a file; choose another path") from None
+        for made in reversed(missing):
+            if made not in self.created:
+                self.created.append(made)
+
+
+def _read_record(fd: int) -> dict:
+    try:
+        record = json.loads(os.pread(fd, 4096, 0).decode("utf-8", "replace") or "{}")
+    except ValueError:
+        return {}
+    return record if isinstance(record, dict) else {}
+
+
+def clear_directory(directory: Path) -> None:
+    """Delete everything in `directory` except its lock file (`--force` while holding the lock)."""
+    for child in Path(directory).iterdir():
+        if child.name == LOCK_NAME:
+            continue
+        if child.is_dir() and not child.is_symlink():
+            shutil.rmtree(child)
+        else:
+            child.unlink()
