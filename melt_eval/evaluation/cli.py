@@ -44,9 +44,17 @@ def register(app: typer.Typer) -> None:
         seed: int = typer.Option(0),
         force: bool = typer.Option(False, help="Recompute finished tasks and discard partial ones."),
         progress: bool = typer.Option(True, "--progress/--no-progress"),
+        max_cache_bytes: Optional[str] = typer.Option(
+            None, "--max-cache-bytes",
+            help="KV-cache budget of the native engine (bytes, or 512MiB, 40GB...); samples that do not fit together "
+                 "run in waves, with the same results. Default: 80%% of free GPU memory, 50%% of free host memory."),
+        allow_beyond_max_positions: bool = typer.Option(
+            False, "--allow-beyond-max-positions",
+            help="Let prompt + max new tokens exceed the model's max_position_embeddings (extrapolation)."),
     ) -> None:
         """Evaluate a model with LightEval and the paper's protocol; resumable."""
         from melt_eval.evaluation import run_tasks
+        from melt_eval.generation.engine import parse_bytes
 
         try:
             results = run_tasks(
@@ -54,6 +62,8 @@ def register(app: typer.Typer) -> None:
                 max_new_tokens=max_new_tokens, max_problems=max_problems, loops=loops, kv_sharing=kv_sharing,
                 share_prompt=share_prompt, prefill_chunk=prefill_chunk, data_dir=data_dir, seed=seed, force=force,
                 progress=progress, name=name,
+                max_cache_bytes=None if max_cache_bytes is None else parse_bytes(max_cache_bytes),
+                allow_beyond_max_positions=allow_beyond_max_positions,
             )
         except KeyboardInterrupt:
             typer.secho("interrupted: finished problems are saved; run the same command again to continue",

@@ -95,7 +95,8 @@ class Batch:
 class NativeBackend:
     """The native engine for LoopLM/MELT; transformers' generate for any other causal LM."""
 
-    def __init__(self, model, tokenizer, *, kv_sharing=None, share_prompt=False, prefill_chunk=1, batch_rows=64) -> None:
+    def __init__(self, model, tokenizer, *, kv_sharing=None, share_prompt=False, prefill_chunk=1, batch_rows=64,
+                 max_cache_bytes=None, allow_beyond_max_positions=False) -> None:
         from melt_eval.modeling import LoopLMForCausalLM
 
         self.model, self.tokenizer = model, tokenizer
@@ -104,6 +105,7 @@ class NativeBackend:
             raise UserError("--kv-sharing and --share-prompt apply to LoopLM (Ouro) models only")
         self.kv_sharing, self.share_prompt, self.prefill_chunk = kv_sharing, share_prompt, prefill_chunk
         self.batch_rows = batch_rows
+        self.max_cache_bytes, self.allow_beyond_max_positions = max_cache_bytes, allow_beyond_max_positions
         self.peak_cache_bytes = 0
 
     def problems_per_batch(self, samples: int) -> int:
@@ -123,13 +125,18 @@ class NativeBackend:
                 self.model, prompts, n=s.samples, temperature=s.temperature, top_p=s.top_p,
                 max_new_tokens=s.max_new_tokens, seed=seeds, eos_token_id=eos,
                 prefill_chunk_size=self.prefill_chunk, kv_sharing=self.kv_sharing, share_prompt=self.share_prompt,
+                max_cache_bytes=self.max_cache_bytes, allow_beyond_max_positions=self.allow_beyond_max_positions,
             )
             self.peak_cache_bytes = max(self.peak_cache_bytes, res.peak_cache_bytes)
             texts = [[self._decode(seq) for seq in per] for per in res.sequences]
             tokens = [sum(len(seq) for seq in per) for per in res.sequences]
             return Batch(texts, tokens, res.peak_cache_bytes)
+        from melt_eval.generation.engine import plan_waves
+
         texts, tokens = [], []
         for prompt, seed in zip(prompts, seeds):  # HF generate: one prompt (n samples) at a time
+            plan_waves(self.model, prompt_tokens=len(prompt), max_new_tokens=s.max_new_tokens, rows=s.samples,
+                       allow_beyond_max_positions=self.allow_beyond_max_positions)  # refuses positions it cannot hold
             torch.manual_seed(seed)
             ids = torch.tensor([prompt], device=self.model.device)
             kwargs = dict(do_sample=s.temperature > 0, max_new_tokens=s.max_new_tokens, num_return_sequences=s.samples,

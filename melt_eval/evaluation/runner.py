@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import platform
 import shutil
@@ -244,7 +245,8 @@ def _claim(task_dir: Path, identity: dict, force: bool) -> None:
 class LoadedModel:
     """The model, tokenizer and backend shared by all tasks of one `run_tasks` call."""
 
-    def __init__(self, model: str, backend: str, loops, kv_sharing, share_prompt, prefill_chunk) -> None:
+    def __init__(self, model: str, backend: str, loops, kv_sharing, share_prompt, prefill_chunk,
+                 max_cache_bytes=None, allow_beyond_max_positions=False) -> None:
         import torch
 
         from melt_eval.modeling import LoopLMForCausalLM, load_model
@@ -276,6 +278,8 @@ class LoadedModel:
                 config.total_ut_steps = loops
             self.loops = config.total_ut_steps if looped else None
             self.config_hash = _config_hash(config)
+            self.kv_sharing, self.share_prompt = kv_sharing, share_prompt
+            self.max_cache_bytes, self.allow_beyond_max_positions = max_cache_bytes, allow_beyond_max_positions
             self.backend = VllmBackend(generator_cls, str(self.model_dir), self.tokenizer, loops=loops,
                                        kv_sharing=kv_sharing, share_prompt=share_prompt, prefill_chunk=prefill_chunk)
             return
@@ -286,8 +290,21 @@ class LoadedModel:
             self.model.config.total_ut_steps = loops
         self.loops = self.model.config.total_ut_steps if isinstance(self.model, LoopLMForCausalLM) else None
         self.backend = NativeBackend(self.model, self.tokenizer, kv_sharing=kv_sharing, share_prompt=share_prompt,
-                                     prefill_chunk=prefill_chunk)
+                                     prefill_chunk=prefill_chunk, max_cache_bytes=max_cache_bytes,
+                                     allow_beyond_max_positions=allow_beyond_max_positions)
         self.config_hash = _config_hash(self.model.config)
+        self.kv_sharing, self.share_prompt = kv_sharing, share_prompt
+        self.max_cache_bytes, self.allow_beyond_max_positions = max_cache_bytes, allow_beyond_max_positions
+
+    def check_request(self, settings) -> None:
+        """Refuse, before any file is written or cache allocated, what cannot run: positions beyond the
+        model's limit, or a cache that cannot hold even one sample of a one-token prompt."""
+        from melt_eval.generation.engine import plan_waves
+
+        if self.model is not None:
+            plan_waves(self.model, prompt_tokens=1, max_new_tokens=settings.max_new_tokens, rows=1,
+                       kv_sharing=self.kv_sharing, share_prompt=self.share_prompt, max_cache_bytes=self.max_cache_bytes,
+                       allow_beyond_max_positions=self.allow_beyond_max_positions)
 
 
 def _vllm_generator():
@@ -304,9 +321,9 @@ def _check_options(samples, temperature, top_p, max_new_tokens, max_problems, kv
         raise UserError("--samples and --max-problems must be at least 1")
     if max_new_tokens is not None and max_new_tokens < 1:
         raise UserError("--max-new-tokens must be at least 1")
-    if temperature < 0:
-        raise UserError(f"--temperature must be 0 (greedy) or more, got {temperature}")
-    if not 0 < top_p <= 1:
+    if not math.isfinite(temperature) or temperature < 0:
+        raise UserError(f"--temperature must be a finite number, 0 (greedy) or more, got {temperature}")
+    if not math.isfinite(top_p) or not 0 < top_p <= 1:
         raise UserError(f"--top-p must be in (0, 1], got {top_p}")
     if prefill_chunk < 1:
         raise UserError(f"--prefill-chunk must be at least 1, got {prefill_chunk}")
@@ -335,6 +352,8 @@ def run_tasks(
     force: bool = False,
     progress: bool = True,
     name: str | None = None,
+    max_cache_bytes: int | None = None,
+    allow_beyond_max_positions: bool = False,
 ) -> list[dict]:
     """Evaluate `model` on `tasks` with the paper's protocol; see docs/CONTRACTS.md."""
     names = expand(tasks)
@@ -351,7 +370,8 @@ def run_tasks(
                 max_new_tokens=max_new_tokens or spec.max_new_tokens, seed=seed,
             )
             if loaded is None:
-                loaded = LoadedModel(model, backend, loops, kv_sharing, share_prompt, prefill_chunk)
+                loaded = LoadedModel(model, backend, loops, kv_sharing, share_prompt, prefill_chunk,
+                                     max_cache_bytes, allow_beyond_max_positions)
                 loaded.display = name or loaded.display
             task_dir = (Path(results_dir) if results_dir else Path(output) / loaded.display) / task
             run_settings = {
@@ -365,6 +385,7 @@ def run_tasks(
             if not force and (done := read_finished(task_dir, identity)):
                 out.append(done)
                 continue
+            loaded.check_request(settings)
             loaded.backend.start()  # vLLM starts only when something is left to generate, before any file is written
             _claim(task_dir, identity, force)
             out.append(_run_one(spec, rows[task], loaded, settings, identity, task_dir, progress))
