@@ -85,6 +85,8 @@ def register(app: typer.Typer) -> None:
 
         if fmt not in ("table", "json"):
             raise UserError("--format must be table or json")
+        if details and (details.is_dir() or (details.parent.exists() and not details.parent.is_dir())):
+            raise UserError(f"--details {details} is a directory or inside a file; pass a file path to write")
         result = score_completions(task, completions, data_dir=data_dir)
         if details:
             details.write_text("".join(json.dumps(d) + "\n" for d in result["details"]))

@@ -59,21 +59,39 @@ class CompletionStore:
         self.done: dict[str, dict] = {}
         if not path.exists():
             return
-        text = path.read_text()
+        if path.is_dir():
+            raise UserError(f"{path} is a directory, where the run keeps its finished problems; move it away")
+        data = path.read_bytes()
         good = 0  # bytes of whole, readable lines
-        for line in text.splitlines(keepends=True):
+        lines = data.splitlines(keepends=True)
+        for number, raw in enumerate(lines, start=1):
+            if not raw.endswith(b"\n"):
+                break  # the last line, cut by a kill
             try:
-                row = json.loads(line)
-            except json.JSONDecodeError:
-                break
-            if not line.endswith("\n"):
-                break
+                row = json.loads(raw.decode("utf-8"))
+            except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
+                if number == len(lines):
+                    break  # a last line whose write was cut
+                row = None
+            if not self.valid_row(row):
+                # a damaged line in the middle is not something a kill leaves: say which, lose nothing
+                raise UserError(
+                    f"{path}:{number} is not a finished problem (a JSON object with a string \"key\", a list of "
+                    "string \"completions\" and an integer \"tokens\"); delete that line (its problem is generated "
+                    "again) and re-run: the other finished problems are kept"
+                )
             self.done[row["key"]] = row
-            good += len(line.encode())
-        if good < len(text.encode()):
+            good += len(raw)
+        if good < len(data):
             # a line cut by a kill: drop it (and anything after), so that new lines follow whole ones
             with open(path, "r+b") as f:
                 f.truncate(good)
+
+    @staticmethod
+    def valid_row(row) -> bool:
+        return (isinstance(row, dict) and isinstance(row.get("key"), str) and isinstance(row.get("completions"), list)
+                and all(isinstance(c, str) for c in row["completions"])
+                and isinstance(row.get("tokens", 0), int) and not isinstance(row.get("tokens", 0), bool))
 
     def add(self, key: str, completions: list[str], tokens: int) -> None:
         row = {"key": key, "completions": completions, "tokens": tokens}
@@ -261,7 +279,9 @@ class HarnessModel(LightevalModel):
 
     def greedy_until(self, docs: list[Doc]) -> list[ModelResponse]:
         keys = [problem_key(d) for d in docs]
-        todo = [i for i, k in enumerate(keys) if k not in self.store.done]
+        # a problem is done when all its samples are: a line with fewer (or more) is generated again
+        todo = [i for i, k in enumerate(keys)
+                if k not in self.store.done or len(self.store.done[k]["completions"]) != self.settings.samples]
         if todo and isinstance(self.backend, ReplayBackend):
             raise UserError(f"the completions file has no entry for {len(todo)} problem(s) of the task (first: index {todo[0]})")
         if self.on_batch:

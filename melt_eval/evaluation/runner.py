@@ -54,13 +54,21 @@ def lighteval_scope(configs: dict, rows: dict[str, list[dict]]):
         spec = SPECS[task.config.name]
         return DatasetDict({spec.split: Dataset.from_list(rows[spec.name])})
 
+    def task_names(self, tasks):
+        # LightEval reads the task string as a file of task names when a path of that name exists in
+        # the working directory; the harness's task names are names, never paths
+        return list(dict.fromkeys(str(tasks).split(",")))
+
     saved = Registry.load_all_task_configs, LightevalTask.download_dataset_worker
+    saved_names = Registry._get_full_task_list_from_input_string
     Registry.load_all_task_configs = staticmethod(our_configs)
     LightevalTask.download_dataset_worker = staticmethod(from_rows)
+    Registry._get_full_task_list_from_input_string = task_names
     try:
         yield
     finally:
         Registry.load_all_task_configs, LightevalTask.download_dataset_worker = (staticmethod(saved[0]), staticmethod(saved[1]))
+        Registry._get_full_task_list_from_input_string = saved_names
 
 
 @contextmanager
@@ -207,9 +215,9 @@ def read_finished(task_dir: Path, identity: dict | None = None) -> dict | None:
         return None
     try:
         result = json.loads(path.read_text())
-    except json.JSONDecodeError:
+    except (ValueError, RecursionError, OSError):  # unreadable: not a finished result, the task runs again
         return None
-    if not result.get("finished"):
+    if not isinstance(result, dict) or result.get("finished") is not True:  # "finished": "no" is not finished
         return None
     if identity is not None and (changed := _differences(result, identity)):
         raise UserError(
@@ -222,12 +230,16 @@ def read_finished(task_dir: Path, identity: dict | None = None) -> dict | None:
 def _claim(task_dir: Path, identity: dict, force: bool) -> None:
     """Make `task_dir` this run's: resume it if it holds the same run, refuse if another."""
     run_file = task_dir / "run.json"
+    if task_dir.exists() and not task_dir.is_dir():
+        raise UserError(f"{task_dir} is a file, where this task's results go; move it away or pass another --output")
     if force and task_dir.exists():
         shutil.rmtree(task_dir)
     if run_file.exists():
         try:
             previous = json.loads(run_file.read_text())
-        except json.JSONDecodeError:
+        except (ValueError, RecursionError, OSError):
+            previous = {}
+        if not isinstance(previous, dict):
             previous = {}
         if changed := _differences(previous, identity):
             raise UserError(
@@ -257,7 +269,8 @@ class LoadedModel:
             raise UserError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
         generator_cls = _vllm_generator() if backend == "vllm" else None  # fail before any download or load
         self.model_dir = resolve_model_dir(model)
-        self.display = model if model in MODELS else self.model_dir.name
+        # a checkpoint runs under its directory's name, however it was spelled ("." included)
+        self.display = model if model in MODELS else (self.model_dir.resolve().name or "model")
         looped = checkpoint_model_type(self.model_dir) in ("ouro", "melt")
         if loops is not None and not looped:
             raise UserError("--loops applies to looped models (Ouro, MELT) only")
@@ -331,6 +344,23 @@ def _check_options(samples, temperature, top_p, max_new_tokens, max_problems, kv
         raise UserError(f"--kv-sharing must be 'first' or 'last', got {kv_sharing!r}")
 
 
+def _check_paths(output, results_dir, name) -> None:
+    """Results stay under --output: a name is one plain directory name, and the roots are directories."""
+    if name is not None:
+        if not name.strip() or name.strip() in (".", "..") or any(sep in name for sep in ("/", "\\", "\0")):
+            raise UserError(f"--name {name!r} must be a plain directory name (no '/', '..' or '.'), "
+                            "so that the results stay under --output")
+    for flag, root in (("--output", output), ("results_dir", results_dir)):
+        if root is None:
+            continue
+        path = Path(root)
+        for parent in (path, *path.parents):  # the root or any folder on its way that is a file
+            if parent.exists() and not parent.is_dir():
+                raise UserError(f"{flag} {root}: {parent} is a file, not a directory; pass a directory")
+            if parent.exists():
+                break
+
+
 def run_tasks(
     tasks: list[str] | str,
     model: str,
@@ -357,7 +387,11 @@ def run_tasks(
 ) -> list[dict]:
     """Evaluate `model` on `tasks` with the paper's protocol; see docs/CONTRACTS.md."""
     names = expand(tasks)
+    if not names:
+        raise UserError(f"no task given ({tasks!r}); name one or more tasks or groups, comma-separated "
+                        "(melt-eval tasks lists them)")
     _check_options(samples, temperature, top_p, max_new_tokens, max_problems, kv_sharing, prefill_chunk)
+    _check_paths(output, results_dir, name)
     # every task's data first: a missing file fails before any model is loaded
     rows = {task: data.load_rows(SPECS[task], data_dir, max_problems) for task in names}
     loaded = None

@@ -11,6 +11,7 @@ import torch
 from transformers.utils import logging as hf_logging
 
 from melt_eval.errors import UserError
+from melt_eval.jsonio import read_json
 
 
 @contextlib.contextmanager
@@ -36,29 +37,13 @@ LOOPED_INT_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidd
 LOOPED_OPTIONAL_INT_FIELDS = ("num_key_value_heads", "head_dim")
 
 
-def read_json_file(path: Path, what: str):
-    """A JSON file's content; any unreadable file (bytes, encoding, syntax, nesting) is a one-line UserError."""
-    try:
-        return json.loads(Path(path).read_bytes().decode("utf-8"))
-    except IsADirectoryError:
-        raise UserError(f"{path} is a directory, not {what}") from None
-    except UnicodeDecodeError as exc:
-        raise UserError(f"{path} is not UTF-8 text (byte {exc.start}); fix or re-download it") from None
-    except json.JSONDecodeError as exc:
-        raise UserError(f"{path} is not valid JSON ({exc.msg}, line {exc.lineno}); fix or re-download it") from None
-    except RecursionError:
-        raise UserError(f"{path} is nested too deeply to be {what}") from None
-    except OSError as exc:
-        raise UserError(f"cannot read {path} ({exc.strerror or type(exc).__name__})") from None
-
-
 def read_config(model_dir: Path) -> dict:
     """config.json as a dict, checked: an object with a string model_type (and, for looped models, the
     numbers their classes need); else a one-line UserError naming the file."""
     config_file = Path(model_dir) / "config.json"
     if not config_file.exists():
         raise UserError(f"{model_dir} has no config.json; pass a Hugging Face checkpoint directory")
-    config = read_json_file(config_file, "a model config")
+    config = read_json(config_file, "a model config (config.json)")
     if not isinstance(config, dict):
         raise UserError(f"{config_file} must be a JSON object of config fields, got a {type(config).__name__}")
     model_type = config.get("model_type")
