@@ -236,3 +236,17 @@ def _tiny_melt():
     from melt_eval.modeling import load_model
 
     return load_model("tiny-random-melt")[0]
+
+
+def test_a_prompt_longer_than_the_model_is_a_one_line_error_in_a_run(tmp_path, capsys):
+    import json
+
+    (tmp_path / "data").mkdir()
+    rows = [{"problem": "1+1", "answer": "2"}, {"problem": "1+1 " * 3000, "answer": "2"}]
+    (tmp_path / "data" / "aime24.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "out"
+    code = _main(["run", "aime24", "--model", "tiny-random-melt", "--data-dir", str(tmp_path / "data"),
+                  "--output", str(out), "--samples", "2", "--max-new-tokens", "4", "--no-progress"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1 and "max_position_embeddings 4096" in err, err
+    assert "shorten the problem" in err

@@ -162,6 +162,11 @@ def plan_waves(model, *, prompt_tokens: int, max_new_tokens: int, rows: int, kv_
     max_position_embeddings (unless allowed) and a single row larger than the budget."""
     cfg = model.config
     limit = getattr(cfg, "max_position_embeddings", None)
+    if limit and prompt_tokens >= limit and not allow_beyond_max_positions:
+        raise GenerationRequestError(
+            f"a {prompt_tokens}-token prompt leaves no room below the model's max_position_embeddings {limit}; "
+            "shorten the problem (or pass --allow-beyond-max-positions to extrapolate)"
+        )
     if limit and prompt_tokens + max_new_tokens > limit and not allow_beyond_max_positions:
         raise GenerationRequestError(
             f"a {prompt_tokens}-token prompt + max_new_tokens {max_new_tokens} = {prompt_tokens + max_new_tokens} "
