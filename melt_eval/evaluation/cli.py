@@ -46,8 +46,9 @@ def register(app: typer.Typer) -> None:
         progress: bool = typer.Option(True, "--progress/--no-progress"),
         max_cache_bytes: Optional[str] = typer.Option(
             None, "--max-cache-bytes",
-            help="KV-cache budget of the native engine (bytes, or 512MiB, 40GB...); samples that do not fit together "
-                 "run in waves, with the same results. Default: 80%% of free GPU memory, 50%% of free host memory."),
+            help="KV-cache budget (bytes, or 512MiB, 40GB...). Native engine: samples that do not fit together run "
+                 "in waves, with the same results (default 80% of free GPU memory, 50% of free host memory); "
+                 "vLLM: the KV cache it allocates."),
         allow_beyond_max_positions: bool = typer.Option(
             False, "--allow-beyond-max-positions",
             help="Let prompt + max new tokens exceed the model's max_position_embeddings (extrapolation)."),

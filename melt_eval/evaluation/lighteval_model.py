@@ -193,10 +193,12 @@ class VllmBackend:
     """vLLM through the harness's generator (the vLLM plugin serves LoopLM and MELT)."""
 
     def __init__(self, generator_cls, model_path: str, tokenizer, *, loops=None, kv_sharing=None, share_prompt=False,
-                 prefill_chunk=None, max_model_len=None) -> None:
+                 prefill_chunk=None, max_model_len=None, kv_cache_bytes=None) -> None:
         self.tokenizer = tokenizer
+        # vLLM's own scheduler keeps its sequences within the KV budget (--max-cache-bytes)
         self._make = lambda: generator_cls(model_path, loops=loops, kv_sharing=kv_sharing, share_prompt=share_prompt,
-                                           prefill_chunk_size=prefill_chunk, max_model_len=max_model_len)
+                                           prefill_chunk_size=prefill_chunk, max_model_len=max_model_len,
+                                           kv_cache_bytes=kv_cache_bytes)
         self.generator = None
         self.peak_cache_bytes = 0
 

@@ -294,7 +294,8 @@ class LoadedModel:
             self.kv_sharing, self.share_prompt = kv_sharing, share_prompt
             self.max_cache_bytes, self.allow_beyond_max_positions = max_cache_bytes, allow_beyond_max_positions
             self.backend = VllmBackend(generator_cls, str(self.model_dir), self.tokenizer, loops=loops,
-                                       kv_sharing=kv_sharing, share_prompt=share_prompt, prefill_chunk=prefill_chunk)
+                                       kv_sharing=kv_sharing, share_prompt=share_prompt, prefill_chunk=prefill_chunk,
+                                       kv_cache_bytes=max_cache_bytes)
             return
         device = "cuda" if torch.cuda.is_available() else "cpu"
         dtype = torch.bfloat16 if device == "cuda" else torch.float32
