@@ -47,9 +47,18 @@ def register(app: typer.Typer) -> None:
         unsafe_local_exec: bool = typer.Option(
             False, "--unsafe-local-exec",
             help="HumanEval: run model-written code even where the kernel refuses a sandbox layer."),
+        max_cache_bytes: Optional[str] = typer.Option(
+            None, "--max-cache-bytes",
+            help="KV-cache budget (bytes, or 512MiB, 40GB...). Native engine: samples that do not fit together run "
+                 "in waves, with the same results (default 80% of free GPU memory, 50% of free host memory); "
+                 "vLLM: the KV cache it allocates."),
+        allow_beyond_max_positions: bool = typer.Option(
+            False, "--allow-beyond-max-positions",
+            help="Let prompt + max new tokens exceed the model's max_position_embeddings (extrapolation)."),
     ) -> None:
         """Evaluate a model with LightEval and the paper's protocol; resumable."""
         from melt_eval.evaluation import run_tasks
+        from melt_eval.generation.engine import parse_bytes
 
         try:
             results = run_tasks(
@@ -57,6 +66,8 @@ def register(app: typer.Typer) -> None:
                 max_new_tokens=max_new_tokens, max_problems=max_problems, loops=loops, kv_sharing=kv_sharing,
                 share_prompt=share_prompt, prefill_chunk=prefill_chunk, data_dir=data_dir, seed=seed, force=force,
                 progress=progress, name=name, unsafe_local_exec=unsafe_local_exec,
+                max_cache_bytes=None if max_cache_bytes is None else parse_bytes(max_cache_bytes),
+                allow_beyond_max_positions=allow_beyond_max_positions,
             )
         except KeyboardInterrupt:
             typer.secho("interrupted: finished problems are saved; run the same command again to continue",
@@ -81,6 +92,8 @@ def register(app: typer.Typer) -> None:
 
         if fmt not in ("table", "json"):
             raise UserError("--format must be table or json")
+        if details and (details.is_dir() or (details.parent.exists() and not details.parent.is_dir())):
+            raise UserError(f"--details {details} is a directory or inside a file; pass a file path to write")
         result = score_completions(task, completions, data_dir=data_dir, unsafe_local_exec=unsafe_local_exec)
         if details:
             details.write_text("".join(json.dumps(d) + "\n" for d in result["details"]))

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 from melt_eval.errors import UserError
+from melt_eval.jsonio import read_json_lines
 from melt_eval.evaluation.tasks import MMLU_REDUX_SUBJECTS, SYNTHETIC_TEST, TaskSpec, prompt_function, row_id
 from melt_eval.training import synthetic
 
@@ -46,6 +47,8 @@ def load_rows(spec: TaskSpec, data_dir: str | Path | None, max_problems: int | N
 def _read_local(spec: TaskSpec, data_dir: Path) -> list[dict]:
     for suffix in (".jsonl", ".json", ".parquet"):
         path = data_dir / f"{spec.name}{suffix}"
+        if path.is_dir():
+            raise UserError(f"{path} is a directory; --data-dir needs the file {spec.name}.jsonl or {spec.name}.parquet")
         if path.exists():
             break
     else:
@@ -58,22 +61,7 @@ def _read_local(spec: TaskSpec, data_dir: Path) -> list[dict]:
         except Exception as exc:  # pyarrow raises several types for a bad file
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             raise UserError(f"{path} is not a readable parquet file ({first})") from None
-    return [row for _, row in _json_lines(path)]
-
-
-def _json_lines(path: Path):
-    """("file:line", object) for each non-empty line; a line that is not a JSON object is a UserError."""
-    for number, line in enumerate(path.read_text().splitlines(), start=1):
-        if not line.strip():
-            continue
-        where = f"{path}:{number}"
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise UserError(f"{where} is not valid JSON ({exc.msg}); fix or remove that line") from None
-        if not isinstance(row, dict):
-            raise UserError(f"{where} is not a JSON object")
-        yield where, row
+    return [row for _, row in read_json_lines(path)]
 
 
 def _read_hub(spec: TaskSpec) -> list[dict]:
@@ -99,9 +87,11 @@ def read_completions(path: Path, rows: list[dict]) -> dict[int, list[str]]:
     """{position in the split: completions} from `{"index"|"id": ..., "completions": [...]}` lines."""
     if not path.exists():
         raise UserError(f"completions file {path} does not exist")
+    if path.is_dir():
+        raise UserError(f"--completions {path} is a directory; pass a JSONL file")
     ids = {str(row_id(r)): i for i, r in enumerate(rows) if row_id(r) is not None}
     out: dict[int, list[str]] = {}
-    for where, row in _json_lines(path):
+    for where, row in read_json_lines(path):
         if "index" in row:
             position = row["index"]
             if not isinstance(position, int) or not 0 <= position < len(rows):

@@ -59,21 +59,39 @@ class CompletionStore:
         self.done: dict[str, dict] = {}
         if not path.exists():
             return
-        text = path.read_text()
+        if path.is_dir():
+            raise UserError(f"{path} is a directory, where the run keeps its finished problems; move it away")
+        data = path.read_bytes()
         good = 0  # bytes of whole, readable lines
-        for line in text.splitlines(keepends=True):
+        lines = data.splitlines(keepends=True)
+        for number, raw in enumerate(lines, start=1):
+            if not raw.endswith(b"\n"):
+                break  # the last line, cut by a kill
             try:
-                row = json.loads(line)
-            except json.JSONDecodeError:
-                break
-            if not line.endswith("\n"):
-                break
+                row = json.loads(raw.decode("utf-8"))
+            except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
+                if number == len(lines):
+                    break  # a last line whose write was cut
+                row = None
+            if not self.valid_row(row):
+                # a damaged line in the middle is not something a kill leaves: say which, lose nothing
+                raise UserError(
+                    f"{path}:{number} is not a finished problem (a JSON object with a string \"key\", a list of "
+                    "string \"completions\" and an integer \"tokens\"); delete that line (its problem is generated "
+                    "again) and re-run: the other finished problems are kept"
+                )
             self.done[row["key"]] = row
-            good += len(line.encode())
-        if good < len(text.encode()):
+            good += len(raw)
+        if good < len(data):
             # a line cut by a kill: drop it (and anything after), so that new lines follow whole ones
             with open(path, "r+b") as f:
                 f.truncate(good)
+
+    @staticmethod
+    def valid_row(row) -> bool:
+        return (isinstance(row, dict) and isinstance(row.get("key"), str) and isinstance(row.get("completions"), list)
+                and all(isinstance(c, str) for c in row["completions"])
+                and isinstance(row.get("tokens", 0), int) and not isinstance(row.get("tokens", 0), bool))
 
     def add(self, key: str, completions: list[str], tokens: int) -> None:
         row = {"key": key, "completions": completions, "tokens": tokens}
@@ -95,7 +113,8 @@ class Batch:
 class NativeBackend:
     """The native engine for LoopLM/MELT; transformers' generate for any other causal LM."""
 
-    def __init__(self, model, tokenizer, *, kv_sharing=None, share_prompt=False, prefill_chunk=1, batch_rows=64) -> None:
+    def __init__(self, model, tokenizer, *, kv_sharing=None, share_prompt=False, prefill_chunk=1, batch_rows=64,
+                 max_cache_bytes=None, allow_beyond_max_positions=False) -> None:
         from melt_eval.modeling import LoopLMForCausalLM
 
         self.model, self.tokenizer = model, tokenizer
@@ -104,6 +123,7 @@ class NativeBackend:
             raise UserError("--kv-sharing and --share-prompt apply to LoopLM (Ouro) models only")
         self.kv_sharing, self.share_prompt, self.prefill_chunk = kv_sharing, share_prompt, prefill_chunk
         self.batch_rows = batch_rows
+        self.max_cache_bytes, self.allow_beyond_max_positions = max_cache_bytes, allow_beyond_max_positions
         self.peak_cache_bytes = 0
 
     def problems_per_batch(self, samples: int) -> int:
@@ -123,13 +143,18 @@ class NativeBackend:
                 self.model, prompts, n=s.samples, temperature=s.temperature, top_p=s.top_p,
                 max_new_tokens=s.max_new_tokens, seed=seeds, eos_token_id=eos,
                 prefill_chunk_size=self.prefill_chunk, kv_sharing=self.kv_sharing, share_prompt=self.share_prompt,
+                max_cache_bytes=self.max_cache_bytes, allow_beyond_max_positions=self.allow_beyond_max_positions,
             )
             self.peak_cache_bytes = max(self.peak_cache_bytes, res.peak_cache_bytes)
             texts = [[self._decode(seq) for seq in per] for per in res.sequences]
             tokens = [sum(len(seq) for seq in per) for per in res.sequences]
             return Batch(texts, tokens, res.peak_cache_bytes)
+        from melt_eval.generation.engine import plan_waves
+
         texts, tokens = [], []
         for prompt, seed in zip(prompts, seeds):  # HF generate: one prompt (n samples) at a time
+            plan_waves(self.model, prompt_tokens=len(prompt), max_new_tokens=s.max_new_tokens, rows=s.samples,
+                       allow_beyond_max_positions=self.allow_beyond_max_positions)  # refuses positions it cannot hold
             torch.manual_seed(seed)
             ids = torch.tensor([prompt], device=self.model.device)
             kwargs = dict(do_sample=s.temperature > 0, max_new_tokens=s.max_new_tokens, num_return_sequences=s.samples,
@@ -168,10 +193,12 @@ class VllmBackend:
     """vLLM through the harness's generator (the vLLM plugin serves LoopLM and MELT)."""
 
     def __init__(self, generator_cls, model_path: str, tokenizer, *, loops=None, kv_sharing=None, share_prompt=False,
-                 prefill_chunk=None, max_model_len=None) -> None:
+                 prefill_chunk=None, max_model_len=None, kv_cache_bytes=None) -> None:
         self.tokenizer = tokenizer
+        # vLLM's own scheduler keeps its sequences within the KV budget (--max-cache-bytes)
         self._make = lambda: generator_cls(model_path, loops=loops, kv_sharing=kv_sharing, share_prompt=share_prompt,
-                                           prefill_chunk_size=prefill_chunk, max_model_len=max_model_len)
+                                           prefill_chunk_size=prefill_chunk, max_model_len=max_model_len,
+                                           kv_cache_bytes=kv_cache_bytes)
         self.generator = None
         self.peak_cache_bytes = 0
 
@@ -254,7 +281,9 @@ class HarnessModel(LightevalModel):
 
     def greedy_until(self, docs: list[Doc]) -> list[ModelResponse]:
         keys = [problem_key(d) for d in docs]
-        todo = [i for i, k in enumerate(keys) if k not in self.store.done]
+        # a problem is done when all its samples are: a line with fewer (or more) is generated again
+        todo = [i for i, k in enumerate(keys)
+                if k not in self.store.done or len(self.store.done[k]["completions"]) != self.settings.samples]
         if todo and isinstance(self.backend, ReplayBackend):
             raise UserError(f"the completions file has no entry for {len(todo)} problem(s) of the task (first: index {todo[0]})")
         if self.on_batch:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import platform
 import time
@@ -54,13 +55,21 @@ def lighteval_scope(configs: dict, rows: dict[str, list[dict]]):
         spec = SPECS[task.config.name]
         return DatasetDict({spec.split: Dataset.from_list(rows[spec.name])})
 
+    def task_names(self, tasks):
+        # LightEval reads the task string as a file of task names when a path of that name exists in
+        # the working directory; the harness's task names are names, never paths
+        return list(dict.fromkeys(str(tasks).split(",")))
+
     saved = Registry.load_all_task_configs, LightevalTask.download_dataset_worker
+    saved_names = Registry._get_full_task_list_from_input_string
     Registry.load_all_task_configs = staticmethod(our_configs)
     LightevalTask.download_dataset_worker = staticmethod(from_rows)
+    Registry._get_full_task_list_from_input_string = task_names
     try:
         yield
     finally:
         Registry.load_all_task_configs, LightevalTask.download_dataset_worker = (staticmethod(saved[0]), staticmethod(saved[1]))
+        Registry._get_full_task_list_from_input_string = saved_names
 
 
 @contextmanager
@@ -201,9 +210,9 @@ def read_finished(task_dir: Path, identity: dict | None = None) -> dict | None:
         return None
     try:
         result = json.loads(path.read_text())
-    except json.JSONDecodeError:
+    except (ValueError, RecursionError, OSError):  # unreadable: not a finished result, the task runs again
         return None
-    if not result.get("finished"):
+    if not isinstance(result, dict) or result.get("finished") is not True:  # "finished": "no" is not finished
         return None
     if identity is not None and (changed := _differences(result, identity)):
         raise UserError(
@@ -216,12 +225,16 @@ def read_finished(task_dir: Path, identity: dict | None = None) -> dict | None:
 def _claim(task_dir: Path, identity: dict, force: bool) -> None:
     """Make `task_dir` this run's: resume it if it holds the same run, refuse if another."""
     run_file = task_dir / "run.json"
+    if task_dir.exists() and not task_dir.is_dir():
+        raise UserError(f"{task_dir} is a file, where this task's results go; move it away or pass another --output")
     if force and task_dir.exists():
         clear_directory(task_dir)  # all but the lock this run holds
     if run_file.exists():
         try:
             previous = json.loads(run_file.read_text())
-        except json.JSONDecodeError:
+        except (ValueError, RecursionError, OSError):
+            previous = {}
+        if not isinstance(previous, dict):
             previous = {}
         if changed := _differences(previous, identity):
             raise UserError(
@@ -239,7 +252,8 @@ def _claim(task_dir: Path, identity: dict, force: bool) -> None:
 class LoadedModel:
     """The model, tokenizer and backend shared by all tasks of one `run_tasks` call."""
 
-    def __init__(self, model: str, backend: str, loops, kv_sharing, share_prompt, prefill_chunk) -> None:
+    def __init__(self, model: str, backend: str, loops, kv_sharing, share_prompt, prefill_chunk,
+                 max_cache_bytes=None, allow_beyond_max_positions=False) -> None:
         import torch
 
         from melt_eval.modeling import LoopLMForCausalLM, load_model
@@ -250,7 +264,8 @@ class LoadedModel:
             raise UserError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
         generator_cls = _vllm_generator() if backend == "vllm" else None  # fail before any download or load
         self.model_dir = resolve_model_dir(model)
-        self.display = model if model in MODELS else self.model_dir.name
+        # a checkpoint runs under its directory's name, however it was spelled ("." included)
+        self.display = model if model in MODELS else (self.model_dir.resolve().name or "model")
         looped = checkpoint_model_type(self.model_dir) in ("ouro", "melt")
         if loops is not None and not looped:
             raise UserError("--loops applies to looped models (Ouro, MELT) only")
@@ -271,8 +286,11 @@ class LoadedModel:
                 config.total_ut_steps = loops
             self.loops = config.total_ut_steps if looped else None
             self.config_hash = _config_hash(config)
+            self.kv_sharing, self.share_prompt = kv_sharing, share_prompt
+            self.max_cache_bytes, self.allow_beyond_max_positions = max_cache_bytes, allow_beyond_max_positions
             self.backend = VllmBackend(generator_cls, str(self.model_dir), self.tokenizer, loops=loops,
-                                       kv_sharing=kv_sharing, share_prompt=share_prompt, prefill_chunk=prefill_chunk)
+                                       kv_sharing=kv_sharing, share_prompt=share_prompt, prefill_chunk=prefill_chunk,
+                                       kv_cache_bytes=max_cache_bytes)
             return
         device = "cuda" if torch.cuda.is_available() else "cpu"
         dtype = torch.bfloat16 if device == "cuda" else torch.float32
@@ -281,8 +299,21 @@ class LoadedModel:
             self.model.config.total_ut_steps = loops
         self.loops = self.model.config.total_ut_steps if isinstance(self.model, LoopLMForCausalLM) else None
         self.backend = NativeBackend(self.model, self.tokenizer, kv_sharing=kv_sharing, share_prompt=share_prompt,
-                                     prefill_chunk=prefill_chunk)
+                                     prefill_chunk=prefill_chunk, max_cache_bytes=max_cache_bytes,
+                                     allow_beyond_max_positions=allow_beyond_max_positions)
         self.config_hash = _config_hash(self.model.config)
+        self.kv_sharing, self.share_prompt = kv_sharing, share_prompt
+        self.max_cache_bytes, self.allow_beyond_max_positions = max_cache_bytes, allow_beyond_max_positions
+
+    def check_request(self, settings) -> None:
+        """Refuse, before any file is written or cache allocated, what cannot run: positions beyond the
+        model's limit, or a cache that cannot hold even one sample of a one-token prompt."""
+        from melt_eval.generation.engine import plan_waves
+
+        if self.model is not None:
+            plan_waves(self.model, prompt_tokens=1, max_new_tokens=settings.max_new_tokens, rows=1,
+                       kv_sharing=self.kv_sharing, share_prompt=self.share_prompt, max_cache_bytes=self.max_cache_bytes,
+                       allow_beyond_max_positions=self.allow_beyond_max_positions)
 
 
 def _vllm_generator():
@@ -299,14 +330,31 @@ def _check_options(samples, temperature, top_p, max_new_tokens, max_problems, kv
         raise UserError("--samples and --max-problems must be at least 1")
     if max_new_tokens is not None and max_new_tokens < 1:
         raise UserError("--max-new-tokens must be at least 1")
-    if temperature < 0:
-        raise UserError(f"--temperature must be 0 (greedy) or more, got {temperature}")
-    if not 0 < top_p <= 1:
+    if not math.isfinite(temperature) or temperature < 0:
+        raise UserError(f"--temperature must be a finite number, 0 (greedy) or more, got {temperature}")
+    if not math.isfinite(top_p) or not 0 < top_p <= 1:
         raise UserError(f"--top-p must be in (0, 1], got {top_p}")
     if prefill_chunk < 1:
         raise UserError(f"--prefill-chunk must be at least 1, got {prefill_chunk}")
     if kv_sharing not in (None, "first", "last"):
         raise UserError(f"--kv-sharing must be 'first' or 'last', got {kv_sharing!r}")
+
+
+def _check_paths(output, results_dir, name) -> None:
+    """Results stay under --output: a name is one plain directory name, and the roots are directories."""
+    if name is not None:
+        if not name.strip() or name.strip() in (".", "..") or any(sep in name for sep in ("/", "\\", "\0")):
+            raise UserError(f"--name {name!r} must be a plain directory name (no '/', '..' or '.'), "
+                            "so that the results stay under --output")
+    for flag, root in (("--output", output), ("results_dir", results_dir)):
+        if root is None:
+            continue
+        path = Path(root)
+        for parent in (path, *path.parents):  # the root or any folder on its way that is a file
+            if parent.exists() and not parent.is_dir():
+                raise UserError(f"{flag} {root}: {parent} is a file, not a directory; pass a directory")
+            if parent.exists():
+                break
 
 
 def run_tasks(
@@ -331,10 +379,16 @@ def run_tasks(
     progress: bool = True,
     name: str | None = None,
     unsafe_local_exec: bool = False,
+    max_cache_bytes: int | None = None,
+    allow_beyond_max_positions: bool = False,
 ) -> list[dict]:
     """Evaluate `model` on `tasks` with the paper's protocol; see docs/CONTRACTS.md."""
     names = expand(tasks)
+    if not names:
+        raise UserError(f"no task given ({tasks!r}); name one or more tasks or groups, comma-separated "
+                        "(melt-eval tasks lists them)")
     _check_options(samples, temperature, top_p, max_new_tokens, max_problems, kv_sharing, prefill_chunk)
+    _check_paths(output, results_dir, name)
     # every task's data first: a missing file fails before any model is loaded
     rows = {task: data.load_rows(SPECS[task], data_dir, max_problems) for task in names}
     _require_sandbox(names, unsafe_local_exec)
@@ -348,7 +402,8 @@ def run_tasks(
                 max_new_tokens=max_new_tokens or spec.max_new_tokens, seed=seed,
             )
             if loaded is None:
-                loaded = LoadedModel(model, backend, loops, kv_sharing, share_prompt, prefill_chunk)
+                loaded = LoadedModel(model, backend, loops, kv_sharing, share_prompt, prefill_chunk,
+                                     max_cache_bytes, allow_beyond_max_positions)
                 loaded.display = name or loaded.display
             task_dir = (Path(results_dir) if results_dir else Path(output) / loaded.display) / task
             run_settings = {
@@ -362,8 +417,9 @@ def run_tasks(
             if not force and (done := read_finished(task_dir, identity)):
                 out.append(done)
                 continue
+            loaded.check_request(settings)
             with DirLock(task_dir, "evaluation"):  # a second run (or --force) into this directory is refused
-                loaded.backend.start()  # vLLM starts only when something is left to generate
+                loaded.backend.start()  # vLLM starts only when something is left to generate, before any file is written
                 _claim(task_dir, identity, force)
                 out.append(_run_one(spec, rows[task], loaded, settings, identity, task_dir, progress))
     finally:

@@ -10,21 +10,41 @@ Cache entries per token: Ouro T x N (one per loop and layer); MELT and the share
 baselines N (the current token's slot is rewritten at every loop); the baselines
 "w/ prefill" keep T x N for the prompt and N for generated tokens. `peak_cache_bytes`
 is the size of the cache tensors actually allocated, measured with `Tensor.nbytes`.
+
+Memory is predictable: before anything is allocated, `plan_waves` computes one row's cache
+(`cache_bytes_per_row`, exact: the same shapes `_Caches` allocates) and splits the prompts x
+samples rows into waves that each fit `max_cache_bytes` (default: a share of the device's
+free memory, `default_cache_budget`). Waves run one after another with the same padding;
+every row has its own generator seeded by (prompt seed, sample), so the sequences are the
+same whatever the budget. A request that cannot fit even one row, or that asks for positions
+beyond the model's `max_position_embeddings`, or for non-finite sampling values, is refused
+with a `GenerationRequestError` (a UserError: one line at the CLI) naming the wrong number.
 """
 
 from __future__ import annotations
 
+import math
+import os
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from melt_eval.errors import UserError
 from melt_eval.modeling.kv_cache import PerLoopKV, PromptPerLoopThenSharedKV, SharedKV, StaticStore
 from melt_eval.modeling.looplm import KV_SHARING, LoopLMForCausalLM
 from melt_eval.modeling.melt import MeltForCausalLM
 
 Tensor = torch.Tensor
+
+# Share of the free memory the cache may take by default: on a GPU the weights are already
+# loaded and decoding's other tensors are small; on a CPU the host's other processes need room.
+CACHE_SHARE = {"cuda": 0.8, "cpu": 0.5}
+
+
+class GenerationRequestError(UserError, ValueError):
+    """A generation request that cannot run as asked (refused before any allocation)."""
 
 
 @dataclass
@@ -53,6 +73,124 @@ def sample_next(logits: Tensor, temperature: float, top_p: float, generators: Se
         sorted_p = sorted_p.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter(-1, order, sorted_p)
     return torch.stack([torch.multinomial(p, 1, generator=g)[0] for p, g in zip(probs, generators)])
+
+
+def format_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} PiB"
+
+
+def parse_bytes(text: str | int) -> int:
+    """`--max-cache-bytes`: a byte count, optionally with a unit (`512MiB`, `40GB`, `1.5GiB`)."""
+    units = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+             "k": 2**10, "kib": 2**10, "m": 2**20, "mib": 2**20, "g": 2**30, "gib": 2**30, "tib": 2**40}
+    raw = str(text).strip().lower().replace("_", "")
+    number = raw.rstrip("abcdefghijklmnopqrstuvwxyz ")
+    unit = raw[len(number):].strip()
+    try:
+        value = float(number) * units[unit]
+    except (ValueError, KeyError):
+        raise UserError(f"--max-cache-bytes {text!r} is not a size; give bytes, optionally with a unit (512MiB, 40GB)") from None
+    if not math.isfinite(value) or value < 1:
+        raise UserError(f"--max-cache-bytes must be a positive size, got {text!r}")
+    return int(value)
+
+
+def free_device_bytes(device) -> int:
+    """Memory free for new tensors: the GPU's (with what PyTorch's allocator holds unused), or the host's."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    try:
+        import psutil
+
+        return int(psutil.virtual_memory().available)
+    except ImportError:
+        with open("/proc/meminfo") as f:
+            info = dict(line.split(":", 1) for line in f)
+        return int(info["MemAvailable"].split()[0]) * 1024
+
+
+def default_cache_budget(device) -> int:
+    """The cache budget when none is given: a safe share (CACHE_SHARE) of the device's free memory."""
+    kind = torch.device(device).type
+    return int(free_device_bytes(device) * CACHE_SHARE.get(kind, 0.5))
+
+
+def _shared_cache(model, kv_sharing, share_prompt) -> bool:
+    return isinstance(model, MeltForCausalLM) or bool(kv_sharing and share_prompt)
+
+
+def cache_bytes_per_row(model, prompt_tokens: int, max_new_tokens: int, *, kv_sharing=None, share_prompt=False,
+                        dtype=None) -> int:
+    """Bytes of cache one (prompt, sample) row takes: the shapes `_Caches` allocates, without allocating."""
+    cfg = model.config
+    T, N = cfg.total_ut_steps, cfg.num_hidden_layers
+    dtype = dtype or model.lm_head.weight.dtype
+    per_entry = 2 * cfg.num_key_value_heads * cfg.head_dim * torch.empty((), dtype=dtype).element_size()  # K and V
+    if _shared_cache(model, kv_sharing, share_prompt):
+        entries = N * (prompt_tokens + max_new_tokens)
+    elif kv_sharing is not None:  # "w/ prefill": per-loop prompt, shared generated tokens
+        entries = T * N * prompt_tokens + N * max_new_tokens
+    else:
+        entries = T * N * (prompt_tokens + max_new_tokens)
+    return entries * per_entry
+
+
+def check_sampling(*, n: int = 1, temperature: float, top_p: float, max_new_tokens: int) -> None:
+    """Sampling values that make sense, else a GenerationRequestError naming the value."""
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise GenerationRequestError(f"max_new_tokens must be a whole number >= 1, got {max_new_tokens!r}")
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise GenerationRequestError(f"the number of samples must be a whole number >= 1, got {n!r}")
+    if not isinstance(temperature, (int, float)) or not math.isfinite(temperature) or temperature < 0:
+        raise GenerationRequestError(f"temperature must be a finite number >= 0 (0 = greedy), got {temperature!r}")
+    if not isinstance(top_p, (int, float)) or not math.isfinite(top_p) or not 0 < top_p <= 1:
+        raise GenerationRequestError(f"top_p must be in (0, 1], got {top_p!r}")
+
+
+def plan_waves(model, *, prompt_tokens: int, max_new_tokens: int, rows: int, kv_sharing=None, share_prompt=False,
+               max_cache_bytes: int | None = None, allow_beyond_max_positions: bool = False, dtype=None,
+               device=None) -> int:
+    """Rows per wave for `rows` rows of `prompt_tokens` + `max_new_tokens` within the cache budget.
+
+    Refuses (GenerationRequestError) what cannot run: positions beyond the model's
+    max_position_embeddings (unless allowed) and a single row larger than the budget."""
+    cfg = model.config
+    limit = getattr(cfg, "max_position_embeddings", None)
+    if limit and prompt_tokens >= limit and not allow_beyond_max_positions:
+        raise GenerationRequestError(
+            f"a {prompt_tokens}-token prompt leaves no room below the model's max_position_embeddings {limit}; "
+            "shorten the problem (or pass --allow-beyond-max-positions to extrapolate)"
+        )
+    if limit and prompt_tokens + max_new_tokens > limit and not allow_beyond_max_positions:
+        raise GenerationRequestError(
+            f"a {prompt_tokens}-token prompt + max_new_tokens {max_new_tokens} = {prompt_tokens + max_new_tokens} "
+            f"positions, beyond the model's max_position_embeddings {limit}; lower --max-new-tokens "
+            "(or pass --allow-beyond-max-positions to extrapolate)"
+        )
+    if not isinstance(model, LoopLMForCausalLM):
+        return rows
+    T = cfg.total_ut_steps
+    if isinstance(T, bool) or not isinstance(T, int) or T < 1:
+        raise GenerationRequestError(f"the number of loops must be a whole number >= 1, got {T!r}")
+    if max_cache_bytes is None:
+        max_cache_bytes = default_cache_budget(device if device is not None else model.lm_head.weight.device)
+    per_row = cache_bytes_per_row(model, prompt_tokens, max_new_tokens, kv_sharing=kv_sharing,
+                                  share_prompt=share_prompt, dtype=dtype)
+    if per_row > max_cache_bytes:
+        N = cfg.num_hidden_layers
+        layout = f"{N} layers, shared across loops" if _shared_cache(model, kv_sharing, share_prompt) else f"{T} loops x {N} layers"
+        raise GenerationRequestError(
+            f"one sample's KV cache needs {format_bytes(per_row)} ({layout}, {prompt_tokens} prompt + "
+            f"{max_new_tokens} new tokens), more than the cache budget of {format_bytes(max_cache_bytes)}; "
+            "lower --loops or --max-new-tokens, or raise --max-cache-bytes"
+        )
+    return max(1, min(rows, max_cache_bytes // per_row))
 
 
 class _Caches:
@@ -118,12 +256,16 @@ def generate(
     kv_sharing: str | None = None,
     share_prompt: bool = False,
     callback: Callable[[int], None] | None = None,
+    max_cache_bytes: int | None = None,
+    allow_beyond_max_positions: bool = False,
 ) -> GenerationResult:
     """Sample `n` continuations of every prompt (lists of token ids). See module docstring.
 
     kv_sharing ("first" | "last", LoopLM only) runs the untrained KV-sharing baselines;
     share_prompt=False is their "w/ prefill" form (the prompt keeps Ouro's per-loop cache).
     `callback(k)` is called after each decoding step with the number of new tokens.
+    `max_cache_bytes` bounds the cache (default: `default_cache_budget`); rows that do not fit
+    together run in waves, with the same results.
     """
     if not isinstance(model, LoopLMForCausalLM):
         raise TypeError("the native engine runs LoopLM and MELT models; use transformers' generate for others")
@@ -133,35 +275,81 @@ def generate(
         raise ValueError("kv_sharing applies to LoopLM (Ouro) models; MELT always shares its KV cache")
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt needs at least one token")
-    if max_new_tokens < 1 or n < 1 or prefill_chunk_size < 1:
-        raise ValueError("max_new_tokens, n and prefill_chunk_size must be >= 1")
+    if prefill_chunk_size < 1:
+        raise ValueError("prefill_chunk_size must be >= 1")
+    check_sampling(n=n, temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens)
 
     device, dtype = model.lm_head.weight.device, model.lm_head.weight.dtype
-    num_prompts, rows = len(prompts), len(prompts) * n
+    num_prompts = len(prompts)
     p_max = max(len(p) for p in prompts)
     seeds = [seed] * num_prompts if seed is None or isinstance(seed, int) else list(seed)
     if len(seeds) != num_prompts:
         raise ValueError("seed must be an int or one int per prompt")
-    generators = []
-    for i in range(num_prompts):
-        for j in range(n):
+    rows = [(i, j) for i in range(num_prompts) for j in range(n)]  # (prompt, sample), in output order
+    per_wave = plan_waves(model, prompt_tokens=p_max, max_new_tokens=max_new_tokens, rows=len(rows),
+                          kv_sharing=kv_sharing, share_prompt=share_prompt, max_cache_bytes=max_cache_bytes,
+                          allow_beyond_max_positions=allow_beyond_max_positions, dtype=dtype, device=device)
+    eos = set([eos_token_id] if isinstance(eos_token_id, int) else (eos_token_id or []))
+    stops = [list(s) for s in (stop or []) if len(s)]
+
+    sequences: list[list[int]] = []
+    logprobs: list[list[float]] = []
+    finish: list[str] = []
+    peak = 0
+    for start in range(0, len(rows), per_wave):
+        wave = rows[start : start + per_wave]
+        generators = []
+        for i, j in wave:
             g = torch.Generator(device=device)
             if seeds[i] is None:
                 g.seed()
             else:
                 g.manual_seed(row_seed(seeds[i], j))
             generators.append(g)
-    eos = set([eos_token_id] if isinstance(eos_token_id, int) else (eos_token_id or []))
-    stops = [list(s) for s in (stop or []) if len(s)]
+        # the wave's prompts, each with the number of its samples in the wave (consecutive rows)
+        groups: list[list] = []
+        for i, _ in wave:
+            if groups and groups[-1][0] == i:
+                groups[-1][1] += 1
+            else:
+                groups.append([i, 1])
+        caches = _Caches(model, len(wave), p_max, max_new_tokens, kv_sharing, share_prompt, dtype, device)
+        peak = max(peak, caches.nbytes)
+        seqs, lps, fins = _decode_wave(
+            model, caches, [(prompts[i], k) for i, k in groups], generators, p_max=p_max,
+            max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, eos=eos, stops=stops,
+            prefill_chunk_size=prefill_chunk_size, kv_sharing=kv_sharing, share_prompt=share_prompt, callback=callback,
+        )
+        del caches
+        sequences += seqs
+        logprobs += lps
+        finish += fins
 
-    caches = _Caches(model, rows, p_max, max_new_tokens, kv_sharing, share_prompt, dtype, device)
+    def per_prompt(flat):
+        return [flat[i * n : (i + 1) * n] for i in range(num_prompts)]
+
+    return GenerationResult(
+        sequences=per_prompt(sequences),
+        logprobs=per_prompt(logprobs),
+        peak_cache_bytes=peak,
+        num_generated_tokens=sum(len(s) for s in sequences),
+        finish_reasons=per_prompt(finish),
+    )
+
+
+def _decode_wave(model, caches: _Caches, groups, generators, *, p_max, max_new_tokens, temperature, top_p, eos, stops,
+                 prefill_chunk_size, kv_sharing, share_prompt, callback):
+    """Prefill and decode one wave: `groups` is [(prompt, rows of that prompt)], rows consecutive."""
+    device = model.lm_head.weight.device
     shared_prompt = kv_sharing is None or share_prompt
     chunk = prefill_chunk_size if (isinstance(model, MeltForCausalLM) or (kv_sharing and share_prompt)) else None
+    rows = sum(k for _, k in groups)
 
-    # Prefill: each prompt alone, into the rows of its first sample, then copied to the others.
+    # Prefill: each prompt alone, into the first of its rows, then copied to the others.
     last_logits = torch.empty(rows, model.config.vocab_size, dtype=torch.float32, device=device)
-    for i, prompt in enumerate(prompts):
-        r0, p_len = i * n, len(prompt)
+    r0 = 0
+    for prompt, k in groups:
+        p_len = len(prompt)
         policy = caches.prefill_policy(model, slice(r0, r0 + 1), p_max - p_len, kv_sharing if shared_prompt else None)
         ids = torch.tensor([list(prompt)], device=device)
         step = chunk or p_len
@@ -169,9 +357,10 @@ def generate(
             e = min(s + step, p_len)
             pos = torch.arange(s, e, device=device)[None]
             x, _ = model.model.run_chunk(ids[:, s:e], pos, policy, kv_sharing=kv_sharing if shared_prompt else None)
-        if n > 1:
-            caches.replicate(r0, slice(r0 + 1, r0 + n))
-        last_logits[r0 : r0 + n] = model.lm_head(x[:, -1]).float()
+        if k > 1:
+            caches.replicate(r0, slice(r0 + 1, r0 + k))
+        last_logits[r0 : r0 + k] = model.lm_head(x[:, -1]).float()
+        r0 += k
     if caches.hybrid:
         caches.prompt_store.length = p_max
 
@@ -179,7 +368,7 @@ def generate(
     policy = caches.decode_policy(model, kv_sharing)
     if not caches.hybrid:
         caches.store.length = p_max
-    prompt_lens = torch.tensor([len(p) for p in prompts for _ in range(n)], device=device)
+    prompt_lens = torch.tensor([len(p) for p, k in groups for _ in range(k)], device=device)
     capacity = p_max + max_new_tokens
     key_mask = torch.arange(capacity, device=device)[None, :] >= (p_max - prompt_lens)[:, None]  # [rows, S]
 
@@ -211,14 +400,4 @@ def generate(
         pos = (prompt_lens + step)[:, None]
         x, _ = model.model.run_chunk(tokens[:, None], pos, policy, key_mask=key_mask, kv_sharing=kv_sharing)
         logits = model.lm_head(x[:, -1]).float()
-
-    def per_prompt(flat):
-        return [flat[i * n : (i + 1) * n] for i in range(num_prompts)]
-
-    return GenerationResult(
-        sequences=per_prompt(sequences),
-        logprobs=per_prompt(logprobs),
-        peak_cache_bytes=caches.nbytes,
-        num_generated_tokens=sum(len(s) for s in sequences),
-        finish_reasons=per_prompt(finish),
-    )
+    return sequences, logprobs, finish

@@ -9,6 +9,7 @@ vLLM's CPU attention does not support 16.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import random
@@ -108,11 +109,29 @@ def _make_llama(tok):
     return LlamaForCausalLM(config)
 
 
+STAMP = "melt_eval_build.json"
+
+
+def _digests(directory: Path) -> dict[str, str]:
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(directory.iterdir())
+            if p.is_file() and p.name != STAMP}
+
+
+def _intact(target: Path) -> bool:
+    """A cached build of this version whose files are byte for byte what was built (a few MB to hash);
+    anything else (a cut or corrupted file, a missing one, an old build) is rebuilt."""
+    try:
+        stamp = json.loads((target / STAMP).read_text())
+        return (isinstance(stamp, dict) and stamp.get("version") == BUILD_VERSION
+                and isinstance(stamp.get("files"), dict) and _digests(target) == stamp["files"])
+    except (OSError, ValueError):
+        return False
+
+
 def build_tiny_model(name: str, root: Path) -> Path:
     """Build (once) and return the checkpoint directory of a tiny-random-* model."""
     target = Path(root) / name
-    stamp = target / "melt_eval_build.json"
-    if stamp.is_file() and json.loads(stamp.read_text()).get("version") == BUILD_VERSION:
+    if _intact(target):
         return target
     from melt_eval.modeling import MeltForCausalLM
 
@@ -134,7 +153,8 @@ def build_tiny_model(name: str, root: Path) -> Path:
     with quiet_transformers():
         model.save_pretrained(tmp)
     tok.save_pretrained(tmp)
-    (tmp / "melt_eval_build.json").write_text(json.dumps({"version": BUILD_VERSION, "seed": SEED, "name": name}))
+    stamp = {"version": BUILD_VERSION, "seed": SEED, "name": name, "files": _digests(tmp)}
+    (tmp / STAMP).write_text(json.dumps(stamp))
     if target.exists():
         shutil.rmtree(target, ignore_errors=True)
     try:

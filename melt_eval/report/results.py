@@ -7,10 +7,12 @@ figure, which groups by the file's own `model` and `settings.loops` fields.
 
 from __future__ import annotations
 
-import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from melt_eval.errors import UserError
+from melt_eval.jsonio import read_json
 from melt_eval.report.paper import canonical_task
 
 
@@ -71,21 +73,44 @@ class ResultSet:
         return list(dict.fromkeys(v for a, v, _ in self.ablations if a == ablation))
 
 
+class Malformed(ValueError):
+    """A results.json that parses but does not hold what the contract says."""
+
+
+def _fraction(value, what: str) -> float:
+    """A metric value or stderr: a finite number in [0, 1] (LightEval's convention), else Malformed."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or not 0 <= value <= 1:
+        raise Malformed(f"{what} is {value!r}, not a fraction in [0, 1]")
+    return float(value)
+
+
 def _read(path: Path, task_dir: str) -> Result:
-    raw = json.loads(path.read_text(encoding="utf-8"))
+    raw = read_json(path, "a results.json")
+    if not isinstance(raw, dict):
+        raise Malformed(f"holds a {type(raw).__name__}, not a JSON object")
     metrics = {}
-    for name, m in (raw.get("metrics") or {}).items():
+    raw_metrics = raw.get("metrics") or {}
+    if not isinstance(raw_metrics, dict):
+        raise Malformed("metrics is not an object")
+    for name, m in raw_metrics.items():
         if isinstance(m, dict) and m.get("value") is not None:
-            metrics[name] = (float(m["value"]), None if m.get("stderr") is None else float(m["stderr"]))
+            stderr = None if m.get("stderr") is None else _fraction(m["stderr"], f"{name} stderr")
+            metrics[name] = (_fraction(m["value"], name), stderr)
         elif isinstance(m, (int, float)):
-            metrics[name] = (float(m), None)
+            metrics[name] = (_fraction(m, name), None)
+    settings = raw.get("settings") or {}
+    if not isinstance(settings, dict):
+        raise Malformed("settings is not an object")
+    finished = raw.get("finished", True)
+    if not isinstance(finished, bool):  # "finished": "no" is not a yes
+        raise Malformed(f"finished is {finished!r}, not true or false")
     return Result(
         path=path,
         model=str(raw.get("model") or path.parent.parent.name),
         task=canonical_task(task_dir) or task_dir,
-        finished=bool(raw.get("finished", True)),
+        finished=finished,
         metrics=metrics,
-        settings=raw.get("settings") or {},
+        settings=settings,
         raw=raw,
     )
 
@@ -99,8 +124,11 @@ def load_results(root: str | Path) -> ResultSet:
         rel = path.relative_to(root).parts
         try:
             res = _read(path, rel[-2] if len(rel) >= 2 else "")
-        except (OSError, ValueError, TypeError) as exc:
-            rs.unreadable.append(f"{path}: {type(exc).__name__}")
+        except UserError as exc:  # not UTF-8, not JSON, too deep, a directory: the message names the file
+            rs.unreadable.append(str(exc))
+            continue
+        except (OSError, ValueError, TypeError, AttributeError) as exc:  # a results.json that says nonsense
+            rs.unreadable.append(f"{path}: {exc if isinstance(exc, Malformed) else type(exc).__name__}; skipped")
             continue
         if not res.finished:  # a half-finished run's numbers would mislead; it shows as n/a
             rs.unfinished.append(path)

@@ -28,11 +28,17 @@ def register(app: typer.Typer) -> None:
         progress: bool = typer.Option(True, "--progress/--no-progress", help="Show the progress bar."),
     ) -> None:
         """Train MELT from a LoopLM (or a LoopLM from scratch) with a YAML recipe; Accelerate-launchable."""
+        from melt_eval.errors import UserError
         from melt_eval.training.config import load_recipe, parse_set
         from melt_eval.training.runner import run_recipe
 
         if recipe is None:
             recipe = f"paper-phase{phase or 1}"
+        for parent in (output, *output.parents):  # the run directory, or a folder on its way, is a file
+            if parent.exists():
+                if not parent.is_dir():
+                    raise UserError(f"--output {output}: {parent} is a file, not a directory; pass a directory")
+                break
         overrides = parse_set(set_)
         switches = {"gate": gate, "chunk_size": chunk_size, "interpolation_steps": interpolation_steps, "kd": kd,
                     "align_beta": align_beta, "phase": phase, "teacher": teacher, "max_steps": max_steps,

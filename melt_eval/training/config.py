@@ -17,6 +17,7 @@ from typing import Any
 import yaml
 
 from melt_eval.errors import UserError
+from melt_eval.jsonio import read_text
 
 RECIPES_DIR = Path(__file__).resolve().parents[2] / "recipes"
 TARGETS = ("melt", "looplm")
@@ -106,10 +107,20 @@ class Recipe:
             v = getattr(self, name)
             if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
                 bad(f"{name} must be a finite number >= 0, got {v!r}")
-        if self.kd_temperature <= 0:
-            bad(f"kd_temperature must be > 0, got {self.kd_temperature}")
-        if len(self.adam_betas) != 2:
-            bad(f"adam_betas must be two numbers, got {self.adam_betas!r}")
+        if not math.isfinite(self.kd_temperature) or self.kd_temperature <= 0:
+            bad(f"kd_temperature must be a finite number > 0, got {self.kd_temperature}")
+        if not math.isfinite(self.adam_eps) or self.adam_eps <= 0:
+            bad(f"adam_eps must be a finite number > 0, got {self.adam_eps}")
+        for name in ("ema_decay", "min_lr_ratio"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                bad(f"{name} must be within [0, 1], got {getattr(self, name)}")
+        for name in ("seed", "gate_seed", "shuffle_buffer"):
+            if getattr(self, name) < 0:
+                bad(f"{name} must be >= 0, got {getattr(self, name)}")
+        betas = self.adam_betas
+        if not (isinstance(betas, list) and len(betas) == 2
+                and all(isinstance(b, (int, float)) and not isinstance(b, bool) and 0 <= b < 1 for b in betas)):
+            bad(f"adam_betas must be two numbers in [0, 1), e.g. [0.9, 0.95], got {betas!r}")
         if not self.data:
             bad("data must list at least one source (see recipes/README.md)")
         if self.target == "looplm" and (self.kd or self.align_beta or self.interpolation_steps):
@@ -227,10 +238,17 @@ def _coerce(raw: dict) -> dict:
             raise UserError(f"recipe key {key} expects {t}, got {value!r}") from None
         if t == "int" and isinstance(value, float) and value.is_integer():
             value = int(value)
-        if t in ("int", "float") and (isinstance(value, bool) or not isinstance(value, (int, float))):
-            raise UserError(f"recipe key {key} expects {t}, got {value!r}")
+        if t == "int" and (isinstance(value, bool) or not isinstance(value, int)):
+            raise UserError(f"recipe key {key} expects a whole number, got {value!r}")
+        if t == "float" and (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)):
+            raise UserError(f"recipe key {key} expects a finite number, got {value!r}")
         if t == "bool" and not isinstance(value, bool):
             raise UserError(f"recipe key {key} expects true/false, got {value!r}")
+        expected = {"list": list, "dict": dict, "str": str}.get(t)
+        if expected is not None and not isinstance(value, expected):
+            raise UserError(f"recipe key {key} expects a {t}, got {value!r}")
+        if t == "str | None" and value is not None and not isinstance(value, str):
+            raise UserError(f"recipe key {key} expects a string (or null), got {value!r}")
         out[key] = value
     return out
 
@@ -243,7 +261,8 @@ def load_recipe(name: str | None = None, *, config_file: str | Path | None = Non
     if config_file:
         path = Path(config_file).expanduser()
         if not path.is_file():
-            raise UserError(f"--config file {path} does not exist")
+            raise UserError(f"--config {path} {'is a directory' if path.is_dir() else 'does not exist'}; pass a YAML file")
+        read_text(path, "a YAML file of recipe keys")  # a non-UTF-8 file is a one-line error naming it
         raw.update(_read_yaml(path))
     if overrides:
         _check_keys(overrides, "overrides")

@@ -1,0 +1,277 @@
+"""Bad input at the CLI: every input of issue 12's list gets a one-line error and exit 2, loses nothing
+already done, and never resolves a task name as a path or writes outside --output."""
+
+import json
+import re
+import shutil
+import sys
+
+import pytest
+
+from melt_eval.evaluation import run_tasks
+
+TINY_RUN = ["--max-problems", "2", "--samples", "2", "--max-new-tokens", "4", "--no-progress"]
+
+
+def _main(args) -> int:
+    """The console entry point as a user runs it; returns the exit code."""
+    from melt_eval.cli import main
+
+    old, sys.argv = sys.argv, ["melt-eval", *[str(a) for a in args]]
+    try:
+        main()
+    except SystemExit as exc:
+        return exc.code
+    finally:
+        sys.argv = old
+    return 0
+
+
+def _one_line_error(capsys, code, *fragments):
+    err = capsys.readouterr().err.strip()
+    assert code == 2, err
+    assert len(err.splitlines()) == 1 and err.startswith("error: "), err
+    assert all(f in err for f in fragments), err
+    return err
+
+
+# --- data, completions and config files that cannot be read ----------------------------------------
+
+NESTED = "[" * 100_000 + "]" * 100_000
+FILE_CONTENTS = {  # what a data or completions file holds -> what the error says
+    "non-utf8": (b'{"problem": "caf\xe9", "answer": "1"}\n', "not UTF-8"),
+    "deeply-nested": (NESTED.encode() + b"\n", "nested too deeply"),
+    "nested-object": (('{"problem": ' + "[" * 70 + "1" + "]" * 70 + ', "answer": "1"}\n').encode(), "nested more than"),
+    "lone-surrogate": (b'{"problem": "x \\ud800 y", "answer": "1", "index": 0, "completions": ["\\udc00"]}\n',
+                       "lone surrogate"),
+    "a-list": (b'[1, 2]\n', "is not a JSON object"),
+}
+
+
+@pytest.mark.parametrize("case", FILE_CONTENTS)
+def test_bad_data_file(tmp_path, capsys, case):
+    content, message = FILE_CONTENTS[case]
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "aime24.jsonl").write_bytes(content)
+    out = tmp_path / "out"
+    code = _main(["run", "aime24", "--model", "tiny-random-melt", "--data-dir", tmp_path / "data", "--output", out, *TINY_RUN])
+    _one_line_error(capsys, code, "aime24.jsonl", message)
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("case", FILE_CONTENTS)
+def test_bad_completions_file(tmp_path, capsys, case):
+    content, message = FILE_CONTENTS[case]
+    (tmp_path / "c.jsonl").write_bytes(content)
+    _one_line_error(capsys, _main(["score", "synthetic", "--completions", tmp_path / "c.jsonl"]), "c.jsonl", message)
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["score", "synthetic", "--completions", "{dir}"], "is a directory"),
+        (["score", "synthetic", "--completions", "{good}", "--details", "{dir}"], "--details"),
+        (["run", "aime24", "--model", "tiny-random-melt", "--data-dir", "{datadir}", "--output", "{tmp}/o"],
+         "aime24.jsonl is a directory"),
+        (["run", "synthetic", "--model", "tiny-random-melt", "--output", "{file}"], "is a file, not a directory"),
+        (["run", "synthetic", "--model", "tiny-random-melt", "--output", "{file}/sub"], "is a file, not a directory"),
+        (["train", "--recipe", "tiny-phase1", "--from", "tiny-random-ouro", "--output", "{file}"], "is a file"),
+        (["train", "--recipe", "tiny-phase1", "--from", "tiny-random-ouro", "--output", "{tmp}/t", "--config", "{dir}"],
+         "is a directory"),
+    ],
+)
+def test_a_directory_where_a_file_is_expected_and_back(tmp_path, capsys, args, message):
+    (tmp_path / "dir").mkdir()
+    (tmp_path / "datadir" / "aime24.jsonl").mkdir(parents=True)
+    (tmp_path / "file").write_text("not a directory\n")
+    (tmp_path / "good.jsonl").write_text(json.dumps({"index": 0, "completions": ["\\boxed{1}"]}) + "\n")
+    names = dict(dir=tmp_path / "dir", datadir=tmp_path / "datadir", file=tmp_path / "file",
+                 good=tmp_path / "good.jsonl", tmp=tmp_path)
+    args = [a.format(**names) for a in args]
+    if args[0] == "run":
+        args += TINY_RUN
+    _one_line_error(capsys, _main(args), message)
+    assert (tmp_path / "file").read_text() == "not a directory\n"
+    assert not (tmp_path / "t").exists() and not (tmp_path / "o").exists()
+
+
+# --- recipe values with their types ----------------------------------------------------------------
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--set", "adam_betas=5"], "adam_betas"),
+        (["--set", "adam_betas=[0.9, 2]"], "adam_betas must be two numbers in [0, 1)"),
+        (["--set", "micro_batch_size=2.5"], "micro_batch_size expects a whole number, got 2.5"),
+        (["--set", "seed=-1"], "seed must be >= 0, got -1"),
+        (["--set", "seed=abc"], "seed expects int"),
+        (["--set", "lr=!!python/object/apply:os.system ['true']"], "--set lr"),
+        (["--set", "kd_temperature=inf"], "kd_temperature expects a finite number"),
+        (["--set", "kd_temperature=.nan"], "kd_temperature expects a finite number"),
+        (["--set", "warmup_steps=1.5"], "warmup_steps expects a whole number, got 1.5"),
+        (["--set", "data=5"], "data expects a list"),
+        (["--set", "teacher=5"], "teacher expects a string"),
+        (["--config", "{yaml_float}"], "warmup_steps expects a whole number, got 1.5"),
+        (["--config", "{yaml_latin1}"], "not UTF-8"),
+        (["--set", "ema_decay=2"], "ema_decay must be within [0, 1]"),
+    ],
+)
+def test_wrongly_typed_recipe_values(tmp_path, capsys, extra, message):
+    (tmp_path / "float.yaml").write_text("warmup_steps: 1.5\n")
+    (tmp_path / "latin1.yaml").write_bytes("gate: \"\xe9l\xe9mentwise\"\n".encode("latin-1"))
+    extra = [e.format(yaml_float=tmp_path / "float.yaml", yaml_latin1=tmp_path / "latin1.yaml") for e in extra]
+    out = tmp_path / "train"
+    code = _main(["train", "--recipe", "tiny-phase1", "--from", "tiny-random-ouro", "--output", out, "--no-progress", *extra])
+    _one_line_error(capsys, code, message)
+    assert not out.exists()
+
+
+# --- options -----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["run", ",", "--model", "tiny-random-melt"], "no task given"),
+        (["run", " , ", "--model", "tiny-random-melt"], "no task given"),
+        (["run", "synthetic", "--model", "tiny-random-melt", "--name", "../../x"], "--name '../../x' must be a plain"),
+        (["run", "synthetic", "--model", "tiny-random-melt", "--name", "a/b"], "must be a plain directory name"),
+        (["run", "synthetic", "--model", "tiny-random-melt", "--name", ".."], "must be a plain directory name"),
+        (["report", "--results", "{tmp}", "--output", "{tmp}/r", "--plot-task", "nosuch"], "--plot-task 'nosuch' is not a task"),
+    ],
+)
+def test_bad_options(tmp_path, capsys, args, message):
+    args = [a.format(tmp=tmp_path) for a in args]
+    if args[0] == "run":
+        args += ["--output", tmp_path / "out", *TINY_RUN]
+    _one_line_error(capsys, _main(args), message)
+    assert not (tmp_path / "out").exists() and not (tmp_path / "r").exists()
+    assert not list(tmp_path.parent.glob("x"))
+
+
+# --- the run's own files: resume store, results --------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory):
+    """One small run, finished; tests copy it."""
+    out = tmp_path_factory.mktemp("run")
+    run_tasks("synthetic", "tiny-random-ouro", output=out, samples=2, max_problems=3, max_new_tokens=4, progress=False)
+    return out / "tiny-random-ouro" / "synthetic"
+
+
+def _copy_run(finished_run, tmp_path):
+    out = tmp_path / "out"
+    shutil.copytree(finished_run, out / "tiny-random-ouro" / "synthetic")
+    return out, out / "tiny-random-ouro" / "synthetic"
+
+
+def _rerun(out):
+    return _main(["run", "synthetic", "--model", "tiny-random-ouro", "--output", out, "--max-problems", "3",
+                  "--samples", "2", "--max-new-tokens", "4", "--no-progress"])
+
+
+@pytest.mark.parametrize("bad_line", ['{"completions": ["a", "b"], "tokens": 2}', "[1, 2, 3]", '{"key": 5}',
+                                      "not json at all", '{"key": "k", "completions": "ab", "tokens": 1}'])
+def test_bad_resume_store_line_is_reported_and_nothing_is_discarded(finished_run, tmp_path, capsys, bad_line):
+    out, task_dir = _copy_run(finished_run, tmp_path)
+    (task_dir / "results.json").unlink()  # an unfinished run, to be resumed
+    store = task_dir / "completions.jsonl"
+    lines = store.read_text().splitlines(keepends=True)
+    damaged = lines[0] + bad_line + "\n" + "".join(lines[1:])
+    store.write_text(damaged)
+    err = _one_line_error(capsys, _rerun(out), f"{store}:2", "delete that line")
+    assert "--force" not in err
+    assert store.read_text() == damaged  # the finished problems are all still there
+
+
+def test_a_store_line_with_too_few_samples_is_generated_again(finished_run, tmp_path):
+    out, task_dir = _copy_run(finished_run, tmp_path)
+    (task_dir / "results.json").unlink()
+    store = task_dir / "completions.jsonl"
+    rows = [json.loads(line) for line in store.read_text().splitlines()]
+    rows[0]["completions"] = rows[0]["completions"][:1]  # 1 of 2 samples
+    store.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert _rerun(out) == 0
+    details = [json.loads(line) for line in (task_dir / "details.jsonl").read_text().splitlines()]
+    assert all(len(d["completions"]) == 2 for d in details)
+    assert (task_dir / "details.jsonl").read_text() == (finished_run / "details.jsonl").read_text()
+
+
+@pytest.mark.parametrize("finished", ['"no"', '"yes"', "1", "null"])
+def test_finished_must_be_true(finished_run, tmp_path, finished):
+    from melt_eval.evaluation.runner import read_finished
+
+    out, task_dir = _copy_run(finished_run, tmp_path)
+    text = (task_dir / "results.json").read_text().replace('"finished": true', f'"finished": {finished}')
+    (task_dir / "results.json").write_text(text)
+    assert read_finished(task_dir) is None
+
+
+# --- report --------------------------------------------------------------------------------------------
+
+def _result(model, task, value=0.5, **extra):
+    r = {"model": model, "task": task, "finished": True, "metrics": {"accuracy": {"value": value, "stderr": 0.01}},
+         "settings": {"samples": 1, "loops": 4}, "num_problems": 10}
+    r.update(extra)
+    return r
+
+
+MALFORMED = {
+    "huge-value": json.dumps(_result("m2", "math500", value=1e308)).encode(),
+    "nan-value": json.dumps(_result("m3", "math500", value=float("nan"))).encode(),
+    "negative-stderr": json.dumps(_result("m4", "math500") | {"metrics": {"accuracy": {"value": 0.5, "stderr": -5}}}).encode(),
+    "a-list": b"[1, 2]",
+    "metrics-a-list": json.dumps(_result("m5", "math500") | {"metrics": [1]}).encode(),
+    "value-a-string": json.dumps(_result("m6", "math500") | {"metrics": {"accuracy": {"value": "high"}}}).encode(),
+    "non-utf8": b'{"model": "caf\xe9"}',
+    "deeply-nested": NESTED.encode(),
+    "finished-no": json.dumps(_result("m7", "math500", finished="no")).encode(),
+    "cut": b'{"model": "m8", "metr',
+}
+
+
+@pytest.mark.parametrize("case", MALFORMED)
+def test_report_skips_a_malformed_results_file_with_a_note(tmp_path, capsys, case):
+    root = tmp_path / "results"
+    (root / "good" / "math500").mkdir(parents=True)
+    (root / "good" / "math500" / "results.json").write_text(json.dumps(_result("good", "math500", value=0.625)))
+    (root / "bad" / "math500").mkdir(parents=True)
+    bad = root / "bad" / "math500" / "results.json"
+    bad.write_bytes(MALFORMED[case])
+    code = _main(["report", "--results", root, "--output", tmp_path / "r", "--no-plots", "--markdown"])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    assert str(bad) in captured.out  # the note names the skipped file
+    report = (tmp_path / "r" / "report.md").read_text()
+    assert "62.5" in report  # the good run is reported
+    assert not re.search(r"\binf\b|\bnan\b|± -", report, re.IGNORECASE)  # no `inf ± -500.0`
+
+
+# --- task names are names; results stay under --output -------------------------------------------------
+
+def test_task_names_are_never_read_as_paths(finished_run, tmp_path, monkeypatch):
+    work = tmp_path / "cwd"
+    (work / "synthetic").mkdir(parents=True)  # a folder named like the task
+    (work / "synthetic|0").write_text("aime24\n")  # and a file named like LightEval's task string
+    monkeypatch.chdir(work)
+    out, _ = _copy_run(finished_run, tmp_path)
+    (out / "tiny-random-ouro" / "synthetic" / "results.json").unlink()  # LightEval runs again on the saved completions
+    assert _rerun(out) == 0
+    result = json.loads((out / "tiny-random-ouro" / "synthetic" / "results.json").read_text())
+    assert result["task"] == "synthetic" and result["finished"] is True
+    details = tmp_path / "d.jsonl"
+    assert _main(["score", "synthetic", "--completions", out / "tiny-random-ouro" / "synthetic" / "details.jsonl",
+                  "--details", details]) == 0
+    assert details.exists()
+
+
+def test_model_dot_runs_under_the_checkpoint_directory_name(tmp_path, monkeypatch):
+    from melt_eval.registry import resolve_model_dir
+
+    ckpt = tmp_path / "my-ckpt"
+    shutil.copytree(resolve_model_dir("tiny-random-melt"), ckpt)
+    monkeypatch.chdir(ckpt)
+    out = tmp_path / "out"
+    assert _main(["run", "synthetic", "--model", ".", "--output", out, "--max-problems", "1", "--samples", "1",
+                  "--max-new-tokens", "2", "--no-progress"]) == 0
+    assert (out / "my-ckpt" / "synthetic" / "results.json").is_file()
+    assert [p.relative_to(out).parts[0] for p in out.rglob("results.json")] == ["my-ckpt"]
