@@ -28,7 +28,7 @@ def register(app: typer.Typer) -> None:
     def run(
         tasks: str = typer.Argument(..., help="Task names or groups, comma-separated (paper, math, ablation)."),
         model: str = typer.Option(..., "--model", help="Registry name (melt-eval models) or checkpoint directory."),
-        backend: str = typer.Option("native", help="native | vllm"),
+        backend: str = typer.Option("native", help="native | vllm | endpoint (an OpenAI-compatible server: --base-url)"),
         samples: Optional[int] = typer.Option(None, help="Samples per problem (default: the paper's, per task)."),
         temperature: float = typer.Option(1.0, help="Sampling temperature (0 = greedy)."),
         top_p: float = typer.Option(0.7, "--top-p"),
@@ -44,6 +44,13 @@ def register(app: typer.Typer) -> None:
         seed: int = typer.Option(0),
         force: bool = typer.Option(False, help="Recompute finished tasks and discard partial ones."),
         progress: bool = typer.Option(True, "--progress/--no-progress"),
+        base_url: Optional[str] = typer.Option(None, "--base-url", help="Endpoint(s), URL[,URL...]: replicas of one served model."),
+        max_concurrency: int = typer.Option(64, "--max-concurrency", help="Endpoint requests in flight (one per problem)."),
+        dtype: Optional[str] = typer.Option(None, help="vLLM: auto | bfloat16 | float16 | float32."),
+        max_model_len: Optional[int] = typer.Option(None, "--max-model-len", help="vLLM: prompt + generation limit."),
+        gpu_memory_utilization: Optional[float] = typer.Option(None, "--gpu-memory-utilization", help="vLLM: GPU memory share."),
+        kv_cache_bytes: Optional[int] = typer.Option(None, "--kv-cache-bytes", help="vLLM: fixed KV cache budget, bytes."),
+        tensor_parallel_size: Optional[int] = typer.Option(None, "--tensor-parallel-size", help="vLLM: GPUs per model."),
     ) -> None:
         """Evaluate a model with LightEval and the paper's protocol; resumable."""
         from melt_eval.evaluation import run_tasks
@@ -53,7 +60,9 @@ def register(app: typer.Typer) -> None:
                 tasks, model, output=output, backend=backend, samples=samples, temperature=temperature, top_p=top_p,
                 max_new_tokens=max_new_tokens, max_problems=max_problems, loops=loops, kv_sharing=kv_sharing,
                 share_prompt=share_prompt, prefill_chunk=prefill_chunk, data_dir=data_dir, seed=seed, force=force,
-                progress=progress, name=name,
+                progress=progress, name=name, base_url=base_url, max_concurrency=max_concurrency,
+                engine=dict(dtype=dtype, max_model_len=max_model_len, gpu_memory_utilization=gpu_memory_utilization,
+                            kv_cache_bytes=kv_cache_bytes, tensor_parallel_size=tensor_parallel_size),
             )
         except KeyboardInterrupt:
             typer.secho("interrupted: finished problems are saved; run the same command again to continue",
