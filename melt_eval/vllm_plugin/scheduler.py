@@ -1,4 +1,5 @@
-"""A vLLM scheduler whose prefill chunks are exactly MELT's chunks (MELT.md "Chunks").
+"""A vLLM scheduler whose prefill chunks are exactly MELT's chunks (MELT.md "Chunks"), and the
+engine settings that go with it, applied by vLLM itself to every engine of a shared-KV model.
 
 MELT's result depends on how a prompt is cut: chunk k (tokens [kC, (k+1)C)) runs all loops
 attending to the final entries of earlier chunks and to its own current-loop entries.
@@ -7,21 +8,74 @@ vLLM's chunked prefill gives exactly that when every prompt is cut at multiples 
 * `long_prefill_token_threshold = C` caps each request's prefill at C tokens per step, but
   vLLM's Scheduler skips the cap when only one request is eligible (nobody to starve).
   `ExactChunkScheduler` keeps the cap on always.
-* `max_num_batched_tokens >= max_num_seqs * C` (set by the harness) so the shared token
-  budget never cuts a chunk short.
+* `max_num_batched_tokens >= max_num_seqs * C` so the shared token budget never cuts a chunk short.
 * Prefix caching is off (a cached prefix would skip the chunk boundaries it was built with).
 
+`ExactChunkConfig` is registered in vLLM's per-architecture config hooks (`MODELS_CONFIG_MAP`),
+so these settings hold for `vllm serve CHECKPOINT` as for the harness's in-process engine; C
+comes from the config key `melt_eval_prefill_chunk` (vLLM's `--hf-overrides`), default 1.
+Ouro's per-loop cache makes chunking irrelevant: it keeps vLLM's defaults.
+
 A preempted request is recomputed from its start with the same C-sized chunks, now over its
-generated tokens too; that is exact only for C = 1 (the default), which the harness notes.
+generated tokens too; that is exact only for C = 1 (the default).
 """
 
 from __future__ import annotations
 
+from vllm.logger import init_logger
+from vllm.model_executor.models.config import VerifyAndUpdateConfig
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
+
+logger = init_logger(__name__)
+
+MAX_STEP_TOKENS = 65536  # with exact chunks, max_num_seqs * C tokens may be scheduled in one step
+
+
+def shares_kv(hf_config) -> bool:
+    """MELT, or Ouro with untrained KV sharing: one cache per layer, rewritten at every loop."""
+    from melt_eval.vllm_plugin import KV_SHARING_KEY
+
+    return getattr(hf_config, "model_type", None) == "melt" or getattr(hf_config, KV_SHARING_KEY, None) is not None
+
+
+class ExactChunkConfig(VerifyAndUpdateConfig):
+    @staticmethod
+    def verify_and_update_config(vllm_config) -> None:
+        from melt_eval.vllm_plugin import PREFILL_CHUNK_KEY
+
+        model_config = vllm_config.model_config
+        if not shares_kv(model_config.hf_config):
+            return
+        sched, cache = vllm_config.scheduler_config, vllm_config.cache_config
+        chunk = int(getattr(model_config.hf_config, PREFILL_CHUNK_KEY, None) or 1)
+        if chunk < 1:
+            raise ValueError(f"{PREFILL_CHUNK_KEY} must be >= 1, got {chunk}")
+        chunk = min(chunk, model_config.max_model_len)  # a chunk never spans more than one whole prompt
+        # every running sequence must be able to take a whole chunk in one step; one step's tokens stay bounded
+        sched.max_num_seqs = max(1, min(sched.max_num_seqs, MAX_STEP_TOKENS // chunk))
+        sched.max_num_batched_tokens = max(sched.max_num_batched_tokens, sched.max_num_seqs * chunk)
+        sched.enable_chunked_prefill = True
+        sched.long_prefill_token_threshold = chunk
+        cache.enable_prefix_caching = False
+        if sched.scheduler_cls is None:
+            sched.scheduler_cls = "melt_eval.vllm_plugin.scheduler.ExactChunkScheduler"
+        elif "ExactChunkScheduler" not in str(sched.scheduler_cls):
+            raise ValueError(f"MELT's chunk rule needs the melt_eval ExactChunkScheduler, not {sched.scheduler_cls}")
+        logger.info("melt_eval: shared-KV model, exact prefill chunks of %d tokens, prefix caching off", chunk)
 
 
 class ExactChunkScheduler(Scheduler):
+    """vLLM's scheduler with the per-request prefill cap always on; the async variant when
+    vLLM schedules asynchronously (decided after the config hook above, so chosen here)."""
+
     _scheduling = False
+
+    def __new__(cls, *args, **kwargs):
+        config = kwargs.get("vllm_config", args[0] if args else None)
+        if cls is ExactChunkScheduler and getattr(getattr(config, "scheduler_config", None), "async_scheduling", False):
+            cls = ExactChunkAsyncScheduler
+        return super().__new__(cls)
 
     def schedule(self, *args, **kwargs):
         self._scheduling = True
@@ -35,3 +89,7 @@ class ExactChunkScheduler(Scheduler):
         # Inside schedule() the running count only decides whether the per-request prefill
         # cap applies ("more than one eligible request"); report at least two so it always does.
         return (max(running, 2), waiting) if self._scheduling else (running, waiting)
+
+
+class ExactChunkAsyncScheduler(ExactChunkScheduler, AsyncScheduler):
+    pass

