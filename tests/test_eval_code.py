@@ -42,7 +42,7 @@ def sandbox_processes() -> set[int]:
             cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
         except OSError:
             continue
-        if b"_melt_eval_runner" in cmdline or b"evaluation/sandbox.py" in cmdline:
+        if b"_melt_eval_runner" in cmdline or b"evaluation/sandbox_launcher.py" in cmdline:
             found.add(int(pid))
     return found
 
@@ -185,6 +185,24 @@ def test_the_namespace_dies_with_the_check():
     slow = run_python("import os, time\nif os.fork() == 0:\n    os.setsid()\ntime.sleep(60)",
                       SandboxLimits(timeout_s=1))
     assert slow.status == "timeout" and slow.wall_s < 10
+    assert_nothing_left(before)
+
+
+def test_killing_the_harness_kills_the_check():
+    """kill -9 of the harness mid-check: the launcher, the init and all the program started die with it."""
+    before = sandbox_processes()
+    harness = os.fork()
+    if harness == 0:
+        try:
+            run_python("import os, time\nif os.fork() == 0:\n    os.setsid()\ntime.sleep(60)", SandboxLimits(timeout_s=60))
+        finally:
+            os._exit(0)
+    deadline = time.monotonic() + 30
+    while len(sandbox_processes() - before) < 4 and time.monotonic() < deadline:  # launcher, init, program, child
+        time.sleep(0.05)
+    assert len(sandbox_processes() - before) >= 4
+    os.kill(harness, 9)
+    os.waitpid(harness, 0)
     assert_nothing_left(before)
 
 

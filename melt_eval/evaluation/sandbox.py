@@ -172,7 +172,7 @@ def run_python(program: str, limits: SandboxLimits | None = None) -> SandboxResu
         config = {
             "python": python, "prefix": prefix, "host_python": _host_interpreter(),
             "box": str(box), "root": str(workdir / "root"),
-            "strict": strict, "status_fd": status_w, "result_fd": result_w, "go_fd": go_r,
+            "strict": strict, "status_fd": status_w, "result_fd": result_w, "go_fd": go_r, "harness_pid": os.getpid(),
             "uid": NOBODY if os.geteuid() == 0 else os.geteuid(), "gid": NOBODY if os.geteuid() == 0 else os.getegid(),
             "limits": limits.__dict__, "bpf": _filter_hex(strict),
         }

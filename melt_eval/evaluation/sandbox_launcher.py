@@ -198,6 +198,8 @@ def _launch(config: dict) -> None:
     report(stage="unshared", layers=layers)
     if os.read(go, 1) != b"g":  # the harness writes our id maps first
         os._exit(1)
+    # the harness killed (kill -9, Ctrl-C): the launcher dies, then the init (its own parent-death signal)
+    _die_with_parent(libc, config["harness_pid"])
     # 2. the new root
     if layers["mount_namespace"]:
         try:
@@ -270,6 +272,14 @@ def _become(libc, uid: int, gid: int) -> None:
         os.setresuid(uid, uid, uid)
     ul = ctypes.c_ulong
     libc.prctl(PR_SET_PDEATHSIG, ul(signal.SIGKILL), ul(0), ul(0), ul(0))
+
+
+def _die_with_parent(libc, parent: int) -> None:
+    """SIGKILL when `parent` dies; exit now if it already has."""
+    ul = ctypes.c_ulong
+    libc.prctl(PR_SET_PDEATHSIG, ul(signal.SIGKILL), ul(0), ul(0), ul(0))
+    if os.getppid() != parent:
+        os._exit(1)
 
 
 def _reap(pid: int, deadline: float) -> tuple[int, bool]:
