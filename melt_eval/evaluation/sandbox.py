@@ -1,31 +1,33 @@
 """Run untrusted Python (HumanEval completions) contained by the kernel, never in the harness process.
 
-Three processes per check:
+Per check (the child side is `sandbox_launcher.py`):
 
 * the harness (`run_python`) writes the program into a throw-away directory, starts the launcher and,
   when the launcher made a user namespace, writes its uid/gid maps (only a process outside may map
   `nobody`);
-* the launcher (`sandbox_launcher.py` run as a script, trusted, stdlib only) unshares a user, PID, mount, network,
-  IPC and UTS namespace, builds a new root on a 16 MiB tmpfs holding read-only binds of the system
-  paths Python needs (/usr, /lib*, /bin, /sbin, the interpreter's prefix), the program's directory
-  (read-only, /sandbox), a fresh 16 MiB /tmp and /dev/{null,zero,full,random,urandom}, then
-  pivot_roots into it: no /proc, no host Unix sockets, no results directory, no other file;
-* the program's process is PID 1 of the new PID namespace: it takes rlimits (CPU, address space,
-  processes, file size, no core), becomes `nobody` (harness as root) or stays the user (not root) with
-  no capabilities left after exec, and gets SIGKILL if the launcher dies. When it exits the kernel
-  kills everything else in the namespace, so nothing it started (setsid or not) outlives the check.
-  Its first Python code (`_RUNNER`) installs a seccomp filter that refuses execve, socket of every
-  family, namespace-making clone/unshare/setns, mount, ptrace, prctl, io_uring, bpf and the like,
-  then runs the program. Process count stays capped by RLIMIT_NPROC, counted per user namespace.
+* the launcher (trusted, stdlib only, dies with the harness) unshares a user, PID, mount, network, IPC
+  and UTS namespace and pivot_roots into a new root: a read-only 16 MiB tmpfs holding read-only binds of
+  the system paths Python needs (/usr, /lib*, /bin, /sbin, the interpreter's prefix), the program's
+  directory (/sandbox, read-only), a fresh 16 MiB /tmp and /dev/{null,zero,full,random,urandom}. No
+  /proc, no host Unix sockets, no results directory, no other host file;
+* an init, PID 1 of the new PID namespace, becomes `nobody` (harness as root; else the user, with no
+  capability left), dies with the launcher, reaps and keeps the wall-clock deadline. When it exits the
+  kernel kills everything left in the namespace, so nothing the program started (setsid or not)
+  outlives the check;
+* the program's process takes the rlimits (CPU, address space, processes (counted per user namespace),
+  file size, no core) and execs Python, whose first code (`_RUNNER`) installs a seccomp filter refusing
+  execve, socket of every family, namespace-making clone/unshare/setns, mount, ptrace, prctl, bpf,
+  io_uring and the like, then runs the program.
 
 A program passes only when it ran to its end: the runner then writes a token the harness drew at random
-for this run to a pipe. The token reaches the runner on stdin, which it reads and closes before the
-program starts, so `sys.exit(0)`, `os._exit(0)`, `raise SystemExit`, atexit tricks, kills and timeouts
-all fail.
+for this check to a pipe. The token comes on stdin, which the runner reads and closes before the program
+starts, so `sys.exit(0)`, `os._exit(0)`, `raise SystemExit`, atexit tricks, kills and timeouts all fail.
+(The runner's frame still holds it while the program runs: code written to read the interpreter's own
+frames could copy it. That is a way to cheat the score, never out of the containment.)
 
-Where the kernel refuses a layer, `run_python` raises `SandboxUnavailable` naming it, unless
-`allow_unsafe_local_exec(True)` was called (`--unsafe-local-exec`): then it runs with the layers it got
-and `SandboxResult.layers` says which.
+Where the kernel refuses a layer, `run_python` raises `SandboxUnavailable` (a one-line UserError) naming
+it, unless `allow_unsafe_local_exec(True)` was called (`--unsafe-local-exec`): then it runs with the
+layers it got and `SandboxResult.layers` says which.
 """
 
 from __future__ import annotations
@@ -85,7 +87,7 @@ def _interpreter() -> tuple[str, str]:
     """(python for the program, its prefix to bind). The harness's own interpreter when `nobody` can read it."""
     exe, prefix = os.path.realpath(sys.executable), os.path.realpath(sys.base_prefix)
     lib = Path(prefix) / "lib" / f"python{sys.version_info[0]}.{sys.version_info[1]}"
-    if os.geteuid() != 0 or all(os.stat(p).st_mode & 0o005 == 0o005 for p in (exe, prefix, lib)):
+    if os.geteuid() != 0 or (lib.is_dir() and all(os.stat(p).st_mode & 0o005 == 0o005 for p in (exe, prefix, lib))):
         return exe, prefix
     return os.path.realpath("/usr/bin/python3"), "/usr"
 
@@ -265,7 +267,10 @@ def _talk(proc: subprocess.Popen, status_r: int, go_w: int, timeout: float) -> t
             messages.append(msg)
             if msg.get("stage") == "unshared":
                 if msg["layers"].get("user_namespace"):
-                    _write_id_maps(proc.pid)
+                    try:
+                        _write_id_maps(proc.pid)
+                    except OSError as e:
+                        raise _refusal("user_namespace", f"mapping its ids: {e}") from None
                 os.write(go_w, b"g")
 
 
