@@ -260,6 +260,22 @@ def test_sandbox_limits_and_output_cap():
     assert bomb.passed and 0 < int(bomb.stdout) < SandboxLimits().max_processes
 
 
+def test_the_standard_library_humaneval_uses_works():
+    """The new root exposes what Python needs: C extensions and their libraries (hashlib's libcrypto), threads."""
+    md5 = {  # HumanEval/162, the one problem that needs OpenSSL
+        "prompt": "\ndef string_to_md5(text):\n    \"\"\"Return the md5 hex digest of text, None if empty.\"\"\"\n",
+        "test": "def check(candidate):\n    assert candidate('Hello world') == '3e25960a79dbc69b674cd4ec67a72c62'\n"
+                "    assert candidate('') == None\n",
+        "entry_point": "string_to_md5",
+    }
+    solution = "    import hashlib\n    return hashlib.md5(text.encode('ascii')).hexdigest() if text else None\n"
+    assert run_python(program(md5, solution)).passed
+    modules = ("math, re, collections, itertools, functools, fractions, decimal, datetime, random, string, heapq, "
+               "bisect, json, statistics, threading, typing, copy, operator, unicodedata, zlib, struct, array")
+    ok = run_python(f"import {modules}\nprint(random.random() < 1, unicodedata.name('a'))")
+    assert ok.passed and ok.stdout.split() == ["True", "LATIN", "SMALL", "LETTER", "A"], ok.stderr
+
+
 def test_writes_stay_inside_the_sandbox(tmp_path):
     """/tmp is the program's own 16 MiB tmpfs: files never reach the host, many capped files cannot fill the disk."""
     marker = f"melt-eval-test-{tmp_path.name}"
