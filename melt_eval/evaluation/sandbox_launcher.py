@@ -154,7 +154,7 @@ _melt_eval_runner()
 
 
 def _launch(config: dict) -> None:
-    """Runs as `python -I -S sandbox.py CONFIG`, stdin = the token pipe, stdout/stderr = the program's files."""
+    """Runs as `python -I -S sandbox_launcher.py CONFIG`, stdin = the token pipe, stdout/stderr = the program's files."""
     def high(fd):  # out of the way of 0-3, close-on-exec
         new = fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 10)
         os.close(fd)
