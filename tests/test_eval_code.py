@@ -42,7 +42,7 @@ def sandbox_processes() -> set[int]:
             cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
         except OSError:
             continue
-        if b"_melt_eval_runner" in cmdline or b"evaluation/sandbox.py" in cmdline:
+        if b"_melt_eval_runner" in cmdline or b"evaluation/sandbox_launcher.py" in cmdline:
             found.add(int(pid))
     return found
 
@@ -188,6 +188,24 @@ def test_the_namespace_dies_with_the_check():
     assert_nothing_left(before)
 
 
+def test_killing_the_harness_kills_the_check():
+    """kill -9 of the harness mid-check: the launcher, the init and all the program started die with it."""
+    before = sandbox_processes()
+    harness = os.fork()
+    if harness == 0:
+        try:
+            run_python("import os, time\nif os.fork() == 0:\n    os.setsid()\ntime.sleep(60)", SandboxLimits(timeout_s=60))
+        finally:
+            os._exit(0)
+    deadline = time.monotonic() + 30
+    while len(sandbox_processes() - before) < 4 and time.monotonic() < deadline:  # launcher, init, program, child
+        time.sleep(0.05)
+    assert len(sandbox_processes() - before) >= 4
+    os.kill(harness, 9)
+    os.waitpid(harness, 0)
+    assert_nothing_left(before)
+
+
 def test_hostile_completions_score_as_failures(tmp_path, host):
     """Through `score`: only completed checks pass; early exits, kills, timeouts, forged tokens and escapes fail."""
     canary = tmp_path / "canary.txt"
@@ -242,6 +260,22 @@ def test_sandbox_limits_and_output_cap():
     assert bomb.passed and 0 < int(bomb.stdout) < SandboxLimits().max_processes
 
 
+def test_the_standard_library_humaneval_uses_works():
+    """The new root exposes what Python needs: C extensions and their libraries (hashlib's libcrypto), threads."""
+    md5 = {  # HumanEval/162, the one problem that needs OpenSSL
+        "prompt": "\ndef string_to_md5(text):\n    \"\"\"Return the md5 hex digest of text, None if empty.\"\"\"\n",
+        "test": "def check(candidate):\n    assert candidate('Hello world') == '3e25960a79dbc69b674cd4ec67a72c62'\n"
+                "    assert candidate('') == None\n",
+        "entry_point": "string_to_md5",
+    }
+    solution = "    import hashlib\n    return hashlib.md5(text.encode('ascii')).hexdigest() if text else None\n"
+    assert run_python(program(md5, solution)).passed
+    modules = ("math, re, collections, itertools, functools, fractions, decimal, datetime, random, string, heapq, "
+               "bisect, json, statistics, threading, typing, copy, operator, unicodedata, zlib, struct, array")
+    ok = run_python(f"import {modules}\nprint(random.random() < 1, unicodedata.name('a'))")
+    assert ok.passed and ok.stdout.split() == ["True", "LATIN", "SMALL", "LETTER", "A"], ok.stderr
+
+
 def test_writes_stay_inside_the_sandbox(tmp_path):
     """/tmp is the program's own 16 MiB tmpfs: files never reach the host, many capped files cannot fill the disk."""
     marker = f"melt-eval-test-{tmp_path.name}"
@@ -277,9 +311,57 @@ def _deny_syscalls(numbers: list[int]):
     return install
 
 
+def _in_child_denying(numbers: list[int], check) -> dict:
+    """Run `check()` in a forked child whose kernel (a seccomp filter) refuses `numbers`; its JSON comes back."""
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            _deny_syscalls(numbers)()
+            answer = check()
+        except BaseException as e:  # noqa: BLE001 - everything goes back to the test
+            answer = {"raised": type(e).__name__, "message": str(e)}
+        os.write(write_end, json.dumps(answer).encode())
+        os._exit(0)
+    os.close(write_end)
+    with os.fdopen(read_end, "rb") as f:
+        answer = json.loads(f.read())
+    os.waitpid(pid, 0)
+    return answer
+
+
+def test_a_refused_layer_fails_closed_unless_unsafe():
+    """No namespaces or no seccomp: run_python refuses with one line naming the layer; allowed to run unsafe, it
+    runs with the layers left, records them, and still passes only programs that ran to their end."""
+    from melt_eval.evaluation import sandbox
+
+    nr = SYSCALLS[os.uname().machine]
+
+    def strict():
+        sandbox.allow_unsafe_local_exec(False)
+        return run_python("pass").__dict__
+
+    def unsafe():
+        sandbox.allow_unsafe_local_exec(True)
+        runs = {name: run_python(code) for name, code in
+                [("ran to its end", "print(1)"), ("exits early", "import sys\nsys.exit(0)"), ("fails", "1 / 0")]}
+        return {"status": {name: r.status for name, r in runs.items()}, "layers": runs["ran to its end"].layers}
+
+    for deny, layer in (([nr["unshare"]], "pid namespace"), ([nr["seccomp"], nr["prctl"]], "seccomp")):
+        refused = _in_child_denying(deny, strict)
+        assert refused.get("raised") == "SandboxUnavailable", refused
+        assert layer in refused["message"] and "--unsafe-local-exec" in refused["message"]
+        assert "\n" not in refused["message"]
+    ran = _in_child_denying([nr["unshare"]], unsafe)
+    assert ran["status"] == {"ran to its end": "passed", "exits early": "failed", "fails": "failed"}
+    assert not ran["layers"]["pid_namespace"] and not ran["layers"]["mount_namespace"]
+    assert ran["layers"]["seccomp"] and ran["layers"]["unsafe_local_exec"]
+
+
 @pytest.mark.slow
-def test_a_refused_layer_refuses_humaneval_unless_unsafe(tmp_path):
-    """Fail closed: one line naming the layer and a non-zero exit; --unsafe-local-exec runs with what is left."""
+def test_score_refuses_humaneval_without_the_sandbox(tmp_path):
+    """`melt-eval score humaneval` on a kernel without namespaces: one line and a non-zero exit, or with
+    --unsafe-local-exec the scores."""
     nr = SYSCALLS[os.uname().machine]
     data = tmp_path / "data"
     data.mkdir()
@@ -292,19 +374,15 @@ def test_a_refused_layer_refuses_humaneval_unless_unsafe(tmp_path):
            "--data-dir", str(data), "--format", "json"]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
 
-    def cli(*extra, deny):
+    def cli(*extra):
         return subprocess.run(cmd + list(extra), capture_output=True, text=True, env=env, cwd=tmp_path,
-                              preexec_fn=_deny_syscalls(deny), timeout=300)
+                              preexec_fn=_deny_syscalls([nr["unshare"]]), timeout=300)
 
-    no_namespaces = cli(deny=[nr["unshare"]])
-    assert no_namespaces.returncode != 0
-    [line] = no_namespaces.stderr.strip().splitlines()
-    assert "namespace" in line and "--unsafe-local-exec" in line and "Traceback" not in line
-    no_seccomp = cli(deny=[nr["seccomp"], nr["prctl"]])
-    assert no_seccomp.returncode != 0
-    [line] = no_seccomp.stderr.strip().splitlines()
-    assert "seccomp" in line and "--unsafe-local-exec" in line
-    unsafe = cli("--unsafe-local-exec", deny=[nr["unshare"]])
+    refused = cli()
+    assert refused.returncode != 0
+    [line] = refused.stderr.strip().splitlines()
+    assert "pid namespace" in line and "--unsafe-local-exec" in line
+    unsafe = cli("--unsafe-local-exec")
     assert unsafe.returncode == 0, unsafe.stderr
     assert json.loads(unsafe.stdout.strip().splitlines()[-1])["accuracy"] == pytest.approx(0.5)
 

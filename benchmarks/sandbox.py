@@ -1,0 +1,56 @@
+"""Cost of HumanEval's sandbox per check, against a bare child Python running the same program, one run.
+
+    python benchmarks/sandbox.py [--checks 20] [--json]
+
+Each check is a HumanEval-sized program (a function and its asserts). The two ways alternate, so a busy
+machine slows both alike; report the ratio and the added milliseconds, not the absolute times.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+
+from melt_eval.evaluation.sandbox import SandboxLimits, describe, run_python
+
+PROGRAM = ("def add(a, b):\n    return a + b\n\n"
+           "def check(candidate):\n    assert candidate(2, 3) == 5\n    assert candidate(-1, 1) == 0\n\n"
+           "check(add)\n")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--checks", type=int, default=20)
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    layers = describe()
+    bare, sandboxed = [], []
+    for _ in range(args.checks):
+        start = time.perf_counter()
+        subprocess.run([sys.executable, "-I", "-S", "-B", "-c", PROGRAM], check=True, stdin=subprocess.DEVNULL)
+        bare.append(time.perf_counter() - start)
+        start = time.perf_counter()
+        assert run_python(PROGRAM, SandboxLimits()).passed
+        sandboxed.append(time.perf_counter() - start)
+    out = {
+        "machine": platform.machine(), "cpus": os.cpu_count(), "load_avg_1m": os.getloadavg()[0],
+        "checks": args.checks, "layers": {k: v for k, v in layers.items() if isinstance(v, bool)},
+        "bare_python_ms": round(1000 * statistics.median(bare), 1),
+        "sandboxed_ms": round(1000 * statistics.median(sandboxed), 1),
+    }
+    out["ratio"] = round(out["sandboxed_ms"] / out["bare_python_ms"], 2)
+    if args.json:
+        print(json.dumps(out))
+        return
+    for key, value in out.items():
+        print(f"{key:>16}: {value}")
+
+
+if __name__ == "__main__":
+    main()
