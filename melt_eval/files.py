@@ -140,6 +140,8 @@ class DirLock:
                 fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
             except FileNotFoundError:  # a releasing holder removed the (empty) directory in between
                 continue
+            except OSError as exc:
+                raise UserError(f"cannot write to {self.directory} ({exc.strerror}); choose another path") from None
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
@@ -149,6 +151,9 @@ class DirLock:
                     f"{self.directory} is being written by another {self.what} ({_describe(holder, self.path)}); "
                     "wait for it to finish or stop it: two writers would mix their files"
                 ) from None
+            except OSError as exc:  # e.g. ENOLCK on a network filesystem without locks
+                os.close(fd)
+                raise UserError(f"cannot lock {self.path} ({exc.strerror}); write to a local directory") from None
             # the previous holder unlinks the file before unlocking it: what we locked must still be the file
             try:
                 same = os.stat(self.path).st_ino == os.fstat(fd).st_ino
@@ -190,6 +195,8 @@ class DirLock:
             self.directory.mkdir(parents=True, exist_ok=True)
         except (FileExistsError, NotADirectoryError):
             raise UserError(f"cannot create {self.directory}: a part of that path is a file; choose another path") from None
+        except OSError as exc:
+            raise UserError(f"cannot create {self.directory} ({exc.strerror}); choose another path") from None
         for made in reversed(missing):
             if made not in self.created:
                 self.created.append(made)
