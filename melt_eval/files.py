@@ -132,6 +132,13 @@ class DirLock:
         self.release()
 
     def acquire(self) -> None:
+        try:
+            self._acquire()
+        except BaseException:
+            self._remove_created()
+            raise
+
+    def _acquire(self) -> None:
         if self.directory.exists() and not self.directory.is_dir():
             raise UserError(f"{self.directory} is a file; the {self.what} needs a directory there: choose another path")
         for _ in range(50):
@@ -163,8 +170,9 @@ class DirLock:
                 os.close(fd)
                 continue
             self.previous = _read_record(fd) or None
+            command = " ".join([Path(sys.argv[0]).name, *sys.argv[1:]])[:300]
             record = {"pid": os.getpid(), "host": socket.gethostname(),
-                      "since": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]])[:300]}
+                      "since": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "command": command}
             os.ftruncate(fd, 0)
             os.pwrite(fd, (json.dumps(record) + "\n").encode(), 0)
             self.fd = fd
@@ -178,6 +186,9 @@ class DirLock:
             os.unlink(self.path)
         os.close(self.fd)
         self.fd = None
+        self._remove_created()
+
+    def _remove_created(self) -> None:
         for made in reversed(self.created):  # a refused or failed writer leaves no empty directories
             try:
                 made.rmdir()
