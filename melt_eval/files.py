@@ -132,6 +132,13 @@ class DirLock:
         self.release()
 
     def acquire(self) -> None:
+        try:
+            self._acquire()
+        except BaseException:
+            self._remove_created()
+            raise
+
+    def _acquire(self) -> None:
         if self.directory.exists() and not self.directory.is_dir():
             raise UserError(f"{self.directory} is a file; the {self.what} needs a directory there: choose another path")
         for _ in range(50):
@@ -140,6 +147,8 @@ class DirLock:
                 fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
             except FileNotFoundError:  # a releasing holder removed the (empty) directory in between
                 continue
+            except OSError as exc:
+                raise UserError(f"cannot write to {self.directory} ({exc.strerror}); choose another path") from None
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
@@ -149,6 +158,9 @@ class DirLock:
                     f"{self.directory} is being written by another {self.what} ({_describe(holder, self.path)}); "
                     "wait for it to finish or stop it: two writers would mix their files"
                 ) from None
+            except OSError as exc:  # e.g. ENOLCK on a network filesystem without locks
+                os.close(fd)
+                raise UserError(f"cannot lock {self.path} ({exc.strerror}); write to a local directory") from None
             # the previous holder unlinks the file before unlocking it: what we locked must still be the file
             try:
                 same = os.stat(self.path).st_ino == os.fstat(fd).st_ino
@@ -158,8 +170,9 @@ class DirLock:
                 os.close(fd)
                 continue
             self.previous = _read_record(fd) or None
+            command = " ".join([Path(sys.argv[0]).name, *sys.argv[1:]])[:300]
             record = {"pid": os.getpid(), "host": socket.gethostname(),
-                      "since": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]])[:300]}
+                      "since": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "command": command}
             os.ftruncate(fd, 0)
             os.pwrite(fd, (json.dumps(record) + "\n").encode(), 0)
             self.fd = fd
@@ -173,6 +186,9 @@ class DirLock:
             os.unlink(self.path)
         os.close(self.fd)
         self.fd = None
+        self._remove_created()
+
+    def _remove_created(self) -> None:
         for made in reversed(self.created):  # a refused or failed writer leaves no empty directories
             try:
                 made.rmdir()
@@ -190,6 +206,8 @@ class DirLock:
             self.directory.mkdir(parents=True, exist_ok=True)
         except (FileExistsError, NotADirectoryError):
             raise UserError(f"cannot create {self.directory}: a part of that path is a file; choose another path") from None
+        except OSError as exc:
+            raise UserError(f"cannot create {self.directory} ({exc.strerror}); choose another path") from None
         for made in reversed(missing):
             if made not in self.created:
                 self.created.append(made)

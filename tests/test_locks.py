@@ -144,14 +144,15 @@ def test_two_identical_runs_at_once_do_not_both_write(tmp_path):
 
 
 ALIAS_BOMB = """\
-a: &a ["lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol"]
-b: &b [*a, *a, *a, *a, *a, *a, *a, *a, *a]
-c: &c [*b, *b, *b, *b, *b, *b, *b, *b, *b]
-d: &d [*c, *c, *c, *c, *c, *c, *c, *c, *c]
-e: &e [*d, *d, *d, *d, *d, *d, *d, *d, *d]
-f: &f [*e, *e, *e, *e, *e, *e, *e, *e, *e]
-g: &g [*f, *f, *f, *f, *f, *f, *f, *f, *f]
-h: &h [*g, *g, *g, *g, *g, *g, *g, *g, *g]
+model_overrides:
+  a: &a ["lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol"]
+  b: &b [*a, *a, *a, *a, *a, *a, *a, *a, *a]
+  c: &c [*b, *b, *b, *b, *b, *b, *b, *b, *b]
+  d: &d [*c, *c, *c, *c, *c, *c, *c, *c, *c]
+  e: &e [*d, *d, *d, *d, *d, *d, *d, *d, *d]
+  f: &f [*e, *e, *e, *e, *e, *e, *e, *e, *e]
+  g: &g [*f, *f, *f, *f, *f, *f, *f, *f, *f]
+  h: &h [*g, *g, *g, *g, *g, *g, *g, *g, *g]
 data: [*h, *h, *h, *h, *h, *h, *h, *h, *h]
 """
 
@@ -160,7 +161,7 @@ data: [*h, *h, *h, *h, *h, *h, *h, *h, *h]
 def test_a_yaml_alias_bomb_is_refused_at_once(tmp_path):
     bomb = tmp_path / "bomb.yaml"
     bomb.write_text(ALIAS_BOMB)
-    with pytest.raises(UserError, match=r"bomb.yaml is not valid YAML \(YAML aliases \(\*a\) are not allowed in recipes at line 2"):
+    with pytest.raises(UserError, match=r"bomb.yaml is not valid YAML \(YAML aliases \(\*a\) are not allowed in recipes at line 3"):
         load_recipe("tiny-phase1", config_file=bomb)
     result = CliRunner().invoke(app, ["train", "--recipe", "tiny-phase1", "--from", "tiny-random-ouro", "--output",
                                       str(tmp_path / "out"), "--config", str(bomb), "--set", "max_steps=1"])

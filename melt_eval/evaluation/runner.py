@@ -26,7 +26,6 @@ from pathlib import Path
 
 from melt_eval.errors import UserError
 from melt_eval.evaluation import data
-from melt_eval.files import DirLock, clear_directory, write_json_atomic
 from melt_eval.evaluation.lighteval_model import (
     CompletionStore,
     EndpointBackend,
@@ -38,6 +37,7 @@ from melt_eval.evaluation.lighteval_model import (
     problem_key,
 )
 from melt_eval.evaluation.tasks import SPECS, TaskSpec, expand, lighteval_metrics, metric_name, task_config
+from melt_eval.files import DirLock, clear_directory, write_json_atomic
 
 BACKENDS = ("native", "vllm", "endpoint")
 # vLLM engine settings `--backend vllm` takes (and `melt-eval serve` passes to the server)
