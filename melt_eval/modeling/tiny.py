@@ -49,7 +49,7 @@ def _corpus(n_lines: int = 4000) -> list[str]:
     # with the length.
     from melt_eval.training.synthetic import make_split
 
-    for item in make_split("train", n_lines // 2, seed=SEED, num_steps=(1, 9)):
+    for item in make_split("train", n_lines // 2, seed=SEED, num_steps=(1, 8)):
         lines.append(CHAT_TEMPLATE_TEXT.format(problem=item["problem"], solution=item["solution"]))
     return lines
 

@@ -103,15 +103,15 @@ def _keeps_teacher(rs: ResultSet, claim: Claim) -> None:
     if got is None:
         return
     means, tasks = got
+    claim.values = {"melt": melt[0], "teacher": teacher[0], "tasks": tasks, "melt_pass@1": means["melt"],
+                    "teacher_pass@1": means["teacher"]}
     if not means["teacher"]:
         claim.measured = f"{teacher[0]} (the teacher) scores 0.0: no ratio to take"
         return
-    ratio = means["melt"] / means["teacher"]
+    ratio = claim.values["ratio"] = means["melt"] / means["teacher"]
     caches = [(melt[1][t].raw.get("peak_cache_bytes"), teacher[1][t].raw.get("peak_cache_bytes"),
                teacher[1][t].settings.get("loops")) for t in tasks]
     caches = [c for c in caches if all(c)]
-    claim.values = {"melt": melt[0], "teacher": teacher[0], "tasks": tasks, "melt_pass@1": means["melt"],
-                    "teacher_pass@1": means["teacher"], "ratio": ratio}
     text = f"{melt[0]} {_pct(means['melt'])} / {teacher[0]} {_pct(means['teacher'])} = {ratio:.2f}"
     cache_ok = None
     if caches:

@@ -8,10 +8,12 @@ solution does one addition per step, each on the previous step's result, then bo
               The answer is \\boxed{87}.
     answer:   87
 
+Every number is two-digit (one token per digit in the tiny tokenizer), so each step is ten tokens.
+
 The reply is most of the sequence (as in the paper, where the generated reasoning dominates the
-KV cache): about 8 tokens a step against a prompt of about 15 with its chat template, so 5 or more
+KV cache): ten tokens a step against a prompt of 19 with its chat template, so 5 or more
 steps generate over three times the prompt. Every step still needs a computation the model makes
-inside its loops (a two- or three-digit sum, with carries), and every step reads the previous
+inside its loops (a two-digit sum or difference, with carries), and every step reads the previous
 step's result from the generated text, so a model whose cache of generated tokens is wrong (the
 untrained KV-sharing baselines) loses the chain. Used as a built-in training source (`source:
 synthetic` in a recipe, `target: solution` for the worked steps) and by the demo's LightEval task,
@@ -30,7 +32,7 @@ import random
 SPLITS = ("train", "test")
 TEST_FRACTION = 0.1  # share of the problem space reserved for the test split
 MAX_STEPS = 9  # step indices stay one token
-START = (10, 99)  # two-digit start values (and, for subtraction, two-digit answers)
+START = (10, 99)  # every value of a problem stays in this range
 
 
 def _bucket(problem: str) -> str:
@@ -41,11 +43,14 @@ def _bucket(problem: str) -> str:
 def make_problem(rng: random.Random, num_steps: int = 5, max_value: int = 9) -> dict:
     """One problem of `num_steps` additions or subtractions of a constant in 2..max_value.
 
-    Subtraction starts high enough that every value stays positive: its answers are two-digit,
-    as the start values of addition are, so both directions cover the same numbers."""
+    Every value on the way is two-digit, so every step is the same number of tokens (the model finds
+    the previous result at a fixed distance) and only the step's own arithmetic varies."""
     step = rng.randint(2, max_value)
     op = rng.choice("+-")
-    start = rng.randint(*START) + (step * num_steps if op == "-" else 0)
+    span = step * num_steps
+    if span > START[1] - START[0]:
+        raise ValueError(f"{num_steps} steps of {step} leave the two-digit range")
+    start = rng.randint(START[0], START[1] - span) if op == "+" else rng.randint(START[0] + span, START[1])
     value, worked = start, []
     for i in range(1, num_steps + 1):
         new = value + step if op == "+" else value - step
@@ -71,8 +76,10 @@ def make_split(split: str, n: int, seed: int = 0, *, num_steps: int | tuple[int,
         raise ValueError(f"num_steps must be within 1..{MAX_STEPS}, got {num_steps!r}")
     if max_value < 2:
         raise ValueError(f"max_value must be at least 2, got {max_value!r}")
+    if max_value * hi > START[1] - START[0]:
+        raise ValueError(f"{hi} steps of up to {max_value} leave the two-digit range: lower num_steps or max_value")
     # the whole space (start x step x op x count), so an impossible n fails at once, not after a search
-    space = (START[1] - START[0] + 1) * (max_value - 1) * 2 * (hi - lo + 1)
+    space = sum(2 * (START[1] - START[0] + 1 - k * c) for k in range(2, max_value + 1) for c in range(lo, hi + 1))
     if n > space * (TEST_FRACTION if split == "test" else 1 - TEST_FRACTION) * 0.95:
         raise ValueError(f"cannot draw {n} distinct {split} problems with num_steps={num_steps}, max_value={max_value}: "
                          f"the split holds about {int(space * (TEST_FRACTION if split == 'test' else 1 - TEST_FRACTION))}")
