@@ -64,6 +64,16 @@ def default_output(quick: bool, seed: int) -> Path:
 
 
 def run_demo(output: Path, quick: bool = False, progress: bool = True, seed: int = 0) -> dict:
+    import torch
+
+    threads = torch.get_num_threads()
+    try:
+        return _run_demo(output, quick, progress, seed, threads)
+    finally:
+        torch.set_num_threads(threads)  # the demo may have lowered it on a busy machine
+
+
+def _run_demo(output: Path, quick: bool, progress: bool, seed: int, threads: int) -> dict:
     size = QUICK if quick else FULL
     started = time.perf_counter()
     load_at_start = _load_average()
@@ -75,7 +85,7 @@ def run_demo(output: Path, quick: bool = False, progress: bool = True, seed: int
     current = ["", started]
 
     def say(stage: str, msg: str = "") -> None:
-        _pick_threads(progress and bool(stage))
+        _pick_threads(progress and bool(stage), threads)
         now = time.perf_counter()
         if current[0]:
             stages[current[0]] = round(now - current[1], 1)
@@ -146,26 +156,32 @@ def run_demo(output: Path, quick: bool = False, progress: bool = True, seed: int
         typer.echo(f"pass@1 on the synthetic test split: teacher (ouro-tiny) {100 * summary['teacher_pass@1']:.1f}%, "
                    f"MELT (melt-tiny) {100 * summary['melt_pass@1']:.1f}%"
                    + ("" if quick or summary["teacher_pass@1"] >= 0.5 else " (the teacher is below the 50% the full demo aims for)"))
-        print_tables([t for t in report["tables"] if t.key == "claims"])
+        typer.secho("The paper's claims, checked against these results (report/claims.json):", bold=True)
+        for c in claims:  # one line each: readable in a log as on a terminal
+            mark = {True: "\u2713", False: "\u2717", None: "n/a"}[c.holds]
+            paper = "" if c.paper_holds is None else f"; the paper's numbers: {c.paper} " + ("\u2713" if c.paper_holds else "\u2717")
+            typer.echo(f"  {mark} {c.claim}: {c.measured or 'not run'} (needs {c.threshold}{paper})")
         typer.echo(f"{summary['claims_hold']} of {summary['claims']} claims hold" + (" (--quick: its numbers mean nothing)" if quick else ""))
     return summary
 
 
-def _pick_threads(report: bool) -> None:
-    """One intra-op thread when other work already fills the cores. Measured on the shared 2-core machine
-    at a load average of 9-11: a training step of the teacher took 10-15 s with torch's two threads
-    (each operation waits for a thread the scheduler has parked) and 1-1.3 s with one."""
+def _pick_threads(report: bool, default: int) -> None:
+    """One intra-op thread when other work already fills the cores, torch's `default` otherwise (an explicit
+    OMP_NUM_THREADS is left alone). Measured on the shared 2-core machine at a load average of 9-11: a
+    training step of the teacher took 10-15 s with torch's two threads (each operation waits for a thread
+    the scheduler has parked) and 1-1.3 s with one."""
     import os
 
     import torch
 
-    cores = os.cpu_count() or 1
+    if os.environ.get("OMP_NUM_THREADS"):
+        return
     others = _load_average()[0] - torch.get_num_threads()  # the load average counts this process's threads too
-    threads = 1 if others >= cores else cores
+    threads = 1 if others >= (os.cpu_count() or 1) else default
     if torch.get_num_threads() != threads:
         torch.set_num_threads(threads)
         if report:
-            typer.echo(f"[demo] load average {_load_average()[0]:.1f} on {cores} cores: {threads} torch thread(s)")
+            typer.echo(f"[demo] load average {_load_average()[0]:.1f} on {os.cpu_count()} cores: {threads} torch thread(s)")
 
 
 def _load_average() -> list[float]:

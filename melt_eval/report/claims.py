@@ -174,7 +174,7 @@ def _ladder(rs: ResultSet, claim: Claim) -> None:
     means, _ = got
     drops = {f"-{b[3:]}": means[a] - means[b] for a, b in zip(LADDER, LADDER[1:])}
     claim.values = {"pass@1": means, "drops": drops}
-    claim.measured = " > ".join(f"{v} {_pct(means[v])}" for v in LADDER)
+    claim.measured = ", ".join(f"{v} {_pct(means[v])}" for v in LADDER)
     claim.holds = all(d > 0 for d in drops.values())
     if not claim.holds:
         claim.measured += "; " + ", ".join(f"removing {k[1:]} changes {100 * -d + 0.0:+.1f}" for k, d in drops.items() if d <= 0)
@@ -262,7 +262,7 @@ def _paper_checks() -> list[tuple[str | None, bool | None]]:
         (f"MELT-1.6B {melt:.1f} / Ouro {ouro:.1f} = {melt / ouro:.2f}; cache {cache:.3f}x", melt / ouro >= KEEP),
         ("max " + f"{max(untrained.values()):.2f}", all(r < COLLAPSE for r in untrained.values())),
         (f"{comp['no-chunk']:.1f} against {comp['full']:.1f}", comp["no-chunk"] / comp["full"] < COLLAPSE),
-        (" > ".join(f"{v} {comp[v]:.1f}" for v in LADDER), all(d > 0 for d in drops)),
+        (", ".join(f"{v} {comp[v]:.1f}" for v in LADDER), all(d > 0 for d in drops)),
         (f"elementwise {gates['elementwise']:.1f}; best other: {best_other} {gates[best_other]:.1f}",
          gates["elementwise"] >= gates[best_other]),
         (None, None),  # the paper shows this in a figure; paper_results.json holds no per-T numbers
