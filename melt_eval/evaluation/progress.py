@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 import time
 from contextlib import contextmanager
 
@@ -48,12 +49,30 @@ class PlainProgress:
         self.every = cadence_s() if every is None else every
         self.stream = stream
         self.tasks: dict[int, dict] = {}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._ticker: threading.Thread | None = None
 
     def __enter__(self):
+        # a clock of its own: one generation batch can outlast the cadence, and the log must still move
+        if self.enabled and self.every > 0:
+            self._ticker = threading.Thread(target=self._tick, daemon=True)
+            self._ticker.start()
         return self
 
     def __exit__(self, *exc) -> None:
-        return None
+        self._stop.set()
+        if self._ticker is not None:
+            self._ticker.join()
+
+    def _tick(self) -> None:
+        while not self._stop.wait(min(self.every, 5.0)):
+            now = time.monotonic()
+            with self._lock:
+                for t in self.tasks.values():
+                    if not t.get("finished") and now - t["printed"] >= self.every:
+                        t["printed"] = now
+                        self._print(t, now)
 
     def add_task(self, description: str, total: int, completed: int = 0, **fields) -> int:
         now = time.monotonic()
@@ -73,9 +92,10 @@ class PlainProgress:
         t["fields"].update(fields)
         now = time.monotonic()
         done = t["completed"] >= t["total"]
-        if self.enabled and (now - t["printed"] >= self.every or (done and not t.get("finished"))):
-            t["printed"], t["finished"] = now, done
-            self._print(t, now)
+        with self._lock:
+            if self.enabled and (now - t["printed"] >= self.every or (done and not t.get("finished"))):
+                t["printed"], t["finished"] = now, done
+                self._print(t, now)
 
     def _print(self, t: dict, now: float) -> None:
         elapsed = now - t["start"]
