@@ -79,8 +79,11 @@ class Variant:
 
 
 def plan(ablation: str, preset: str = "paper", base: "str | TrainRun | None" = None,
-         train_overrides: dict | None = None) -> list[Variant]:
+         train_overrides: dict | None = None, seed: int = 0) -> list[Variant]:
     """The variants of one ablation; `train_overrides` (e.g. max_steps) apply to every training run.
+
+    `seed` shifts every run's data order and gate initialisation (recipe seed + seed, gate_seed + seed),
+    so a phase 2 keeps a data order other than its phase 1's; 0 leaves the recipes as they are.
 
     `base` is a model name or path, or the TrainRun that makes it (the demo's teacher): run ids then
     chain through run ids, not through however the caller spelled the base model's path.
@@ -99,8 +102,9 @@ def plan(ablation: str, preset: str = "paper", base: "str | TrainRun | None" = N
         runs: list[TrainRun] = []
         for phase, recipe, overrides in ladder.plan(name, base=recipes):
             defaults = load_recipe(recipe).to_dict()
+            seeded = {"seed": defaults["seed"] + seed, "gate_seed": defaults["gate_seed"] + seed} if seed else {}
             # an override equal to the recipe's own value is no change: dropping it lets equal runs share an id
-            changed = {k: v for k, v in {**overrides, **(train_overrides or {})}.items() if defaults.get(k) != v}
+            changed = {k: v for k, v in {**overrides, **(train_overrides or {}), **seeded}.items() if defaults.get(k) != v}
             runs.append(TrainRun(phase, recipe, changed, runs[-1] if runs else base))
         variants.append(Variant(ablation, name, train=runs))
     return variants
@@ -168,6 +172,8 @@ def train_run(run: TrainRun, runs_dir: Path, progress: bool = True) -> Path:
     if status == "done":
         return out
     start = train_run(run.start, runs_dir, progress) if isinstance(run.start, TrainRun) else run.start
+    if progress:
+        typer.echo(f"training {run.run_id} ({'resuming' if status == 'resume' else 'from ' + Path(str(start)).name})", err=False)
     run_recipe(run.recipe, str(start), out, overrides=dict(run.overrides), resume=status == "resume", progress=progress)
     return out
 

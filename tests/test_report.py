@@ -160,9 +160,11 @@ def test_every_table_and_the_latex_compiles(mode, tmp_path):
         _result(tmp_path, "ablations/gates/mean/aime24", {"pass@1": 0.3, "pass@10": 0.6})
     write_report(tmp_path, tmp_path / "r", plots=False, paper=mode == "results-with-paper")
     tex = (tmp_path / "r" / "report.tex").read_text()
-    for label in ("tab:main", "tab:gates", "tab:components", "tab:kv-sharing", "tab:memory"):
+    labels = ["tab:main", "tab:gates", "tab:components", "tab:kv-sharing", "tab:memory"]
+    labels += [] if mode == "paper-only" else ["tab:claims"]  # the claims are checked against results only
+    for label in labels:
         assert f"\\label{{{label}}}" in tex
-    assert tex.count("\\toprule") == tex.count("\\bottomrule") == tex.count("\\begin{tabular}") == 5
+    assert tex.count("\\toprule") == tex.count("\\bottomrule") == tex.count("\\begin{tabular}") == len(labels)
     assert "\\documentclass" in tex and "\\usepackage{booktabs}" in tex and tex.rstrip().endswith("\\end{document}")
     if shutil.which("pdflatex") is None:
         pytest.skip("pdflatex not installed: structure checked only")
@@ -204,7 +206,7 @@ def test_plots_are_written_with_reproduced_and_loop_points(tmp_path):
     assert ("DeepSeek-R1-1.5B", "paper") in points and ("DeepSeek-R1-1.5B", "reproduced") not in points
 
     # the loop sweeps stay out of the model tables
-    main = build_tables(rs)[0]
+    main = {t.key: t for t in build_tables(rs)}["main"]
     assert "melt-1.6b-T1" not in main.heads and "MELT-1.6B" in main.heads
     assert any("other loop counts" in n for n in main.notes)
 
@@ -250,3 +252,70 @@ def test_report_cli_without_results_renders_the_paper(tmp_path):
     assert res.exit_code == 0, res.output
     assert "paper's own tables" in res.output
     assert (tmp_path / "out" / "report.md").exists() and (tmp_path / "out" / "report.tex").exists()
+
+
+def _demo_like_results(root: Path, **override) -> None:
+    """A demo's results layout: main models melt-tiny and ouro-tiny, every ablation row, a loop sweep."""
+    scores = {"melt-tiny": 0.50, "ouro-tiny": 0.52,
+              "kv-sharing/ouro": 0.52, "kv-sharing/last-prefill": 0.10, "kv-sharing/last": 0.0,
+              "kv-sharing/first-prefill": 0.05, "kv-sharing/first": 0.0,
+              "components/full": 0.50, "components/no-align": 0.45, "components/no-interp": 0.30,
+              "components/no-kd": 0.20, "components/no-chunk": 0.0,
+              "gates/elementwise": 0.45, "gates/scalar": 0.40, "gates/ema-0.2": 0.30, "gates/mean": 0.35, "gates/last": 0.3,
+              "melt-T1": 0.1, "melt-T2": 0.2, "melt-T3": 0.3}
+    scores.update(override)
+    path = {"melt-tiny": "/ck/melt", "ouro-tiny": "/ck/ouro", "kv-sharing/ouro": "/ck/ouro", "components/full": "/ck/melt"}
+    for name, value in scores.items():
+        melt_cache = name.startswith("melt") or "/" in name and not name.startswith("kv-sharing")
+        extra = dict(model_path=path.get(name, f"/ck/{name}"), peak_cache_bytes=1000 if melt_cache else 4000,
+                     settings={"loops": 4})
+        if name.startswith("melt-T"):
+            rel, extra["model"] = f"loops/melt-tiny-{name[5:]}/synthetic", "melt-tiny"
+            extra.update(model_path="/ck/melt", settings={"loops": int(name[-1])})
+        elif "/" in name:
+            rel = f"ablations/{name}/synthetic"
+        else:
+            rel, extra["model"] = f"{name}/synthetic", name
+        _result(root, rel, {"pass@1": value, "pass@10": min(1.0, 2 * value)}, **extra)
+
+
+def test_claims_are_computed_from_the_results(tmp_path):
+    from melt_eval.report.claims import paper_claims
+
+    _demo_like_results(tmp_path / "good")
+    claims = paper_claims(load_results(tmp_path / "good"))
+    assert len(claims) == 6 and all(c.holds for c in claims), [(c.claim, c.measured) for c in claims]
+    keeps = claims[0]
+    assert keeps.values["ratio"] == pytest.approx(0.50 / 0.52) and keeps.values["cache_ratio"] == 0.25
+    assert "melt-tiny 50.0 / ouro-tiny 52.0" in keeps.measured
+    assert all(set(c.to_json()) >= {"claim", "measured", "threshold", "holds"} for c in claims)
+    # the paper's own numbers, through the same checks (its T figure has no numbers to check)
+    assert [c.paper_holds for c in claims] == [True, True, True, True, True, None]
+
+    # each claim can fail: numbers that contradict the paper are reported as such
+    _demo_like_results(tmp_path / "bad", **{"melt-tiny": 0.40, "kv-sharing/last-prefill": 0.2, "components/no-chunk": 0.2,
+                                            "components/no-kd": 0.35, "gates/mean": 0.46, "melt-T3": 0.05})
+    bad = paper_claims(load_results(tmp_path / "bad"))
+    assert [c.holds for c in bad] == [False] * 6, [(c.claim, c.measured) for c in bad]
+    assert "last-prefill 0.38" in bad[1].measured and "mean 46.0" in bad[4].measured
+
+    # a claim whose results are missing is n/a, never a pass
+    _result(tmp_path / "partial", "melt-tiny/synthetic", {"pass@1": 0.5}, model="melt-tiny")
+    assert [c.holds for c in paper_claims(load_results(tmp_path / "partial"))] == [None] * 6
+
+
+def test_demo_report_names_the_models_that_produced_the_numbers(tmp_path):
+    _demo_like_results(tmp_path)
+    tables = {t.key: t for t in build_tables(load_results(tmp_path))}
+    assert "main" not in tables  # no result on the paper's benchmarks: no all-n/a table
+    kv = tables["kv-sharing"]
+    assert kv.title == "Untrained KV sharing on ouro-tiny" and kv.stub_heads == ["Model", "Paper's row"]
+    assert [r.stub for r in kv.rows][:2] == [["ouro-tiny", "Ouro-1.4B-Thinking"],
+                                             ["ouro-tiny, last loop (w/ prefill)", "Last loop (w/ prefill)"]]
+    assert tables["components"].rows[0].stub == ["melt-tiny", "MELT-1.6B"]
+    assert tables["gates"].rows[0].stub == ["melt-tiny (P1, elementwise)", "MELT-1.6B (P1)"]
+    assert [r.stub for r in tables["other"].rows] == [["melt-tiny", "MELT-1.6B"], ["ouro-tiny", "Ouro-1.4B-Thinking"]]
+    md = write_report(tmp_path, tmp_path / "r", plots=False)
+    text = (tmp_path / "r" / "report.md").read_text()
+    claims = text.split("### Gate ablation")[0]
+    assert text.startswith("### Paper claims") and "| melt-tiny 50.0 / ouro-tiny 52.0 = 0.96; cache 0.250x at T = 4 |" in claims

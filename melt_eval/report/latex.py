@@ -9,6 +9,7 @@ PREAMBLE = r"""\documentclass[10pt]{article}
 \usepackage{booktabs}
 \usepackage[table]{xcolor}
 \usepackage{graphicx}
+\usepackage{amssymb}
 """
 
 
@@ -17,7 +18,8 @@ def tex_escape(s: str) -> str:
     for ch in s:
         out.append({"\\": r"\textbackslash{}", "&": r"\&", "%": r"\%", "_": r"\_", "#": r"\#", "$": r"\$",
                     "{": r"\{", "}": r"\}", "~": r"\textasciitilde{}", "^": r"\textasciicircum{}",
-                    "\u2020": r"$^\dagger$", "\u2212": "$-$", "\u00d7": r"$\times$"}.get(ch, ch))
+                    "\u2020": r"$^\dagger$", "\u2212": "$-$", "\u00d7": r"$\times$",
+                    "\u2713": r"$\checkmark$", "\u2717": r"$\times$", "\u2248": r"$\approx$"}.get(ch, ch))
     return "".join(out)
 
 

@@ -202,9 +202,14 @@ def ablation_table(rs: ResultSet, ablation: str, compare: bool = False) -> Table
                 notes.append(note)
         return got
 
+    names = {} if from_paper else producers(rs)
+    base = names.get("ouro" if ablation == "kv-sharing" else "melt")
     rows = []
     for v in variants:
         paper_key, label = info["variants"].get(v, (None, v))
+        stub = [label.replace("- ", "\u2212 ", 1)]
+        if base:  # name the model that produced the numbers; the paper's row beside
+            stub = [_our_label(ablation, v, label, _display(base)), stub[0]]
         cells = []
         for bench, metric in columns:
             printed = section.get(paper_key, {}).get(bench, {}).get(metric) if paper_key and bench in ABLATION_BENCHMARKS else None
@@ -213,16 +218,17 @@ def ablation_table(rs: ResultSet, ablation: str, compare: bool = False) -> Table
             else:
                 value, _ = _pct(result_for(v, bench), metric)
                 cells.append(Cell(value, paper=printed if compare else None))
-        rows.append(Row([label.replace("- ", "\u2212 ", 1)], cells))
+        rows.append(Row(stub, cells))
     for j in range(len(columns)):  # the ablation tables bold the best of each column only
         mark([r.cells[j] for r in rows], second=False)
     if not from_paper and not any(k[0] == ablation for k in rs.ablations):
         notes.append(f"No results under {rs.root}/ablations/{ablation}; run `melt-eval ablate {ablation}`.")
+    title = info["title"].replace("Ouro-1.4B-Thinking", _display(base)) if base else info["title"]
     return Table(
         key=ablation,
-        title=info["title"],
-        caption=f"{info['title']} (percent). \\textbf{{Bold}}: best in each column.",
-        stub_heads=[info["stub"]],
+        title=title,
+        caption=f"{title} (percent). \\textbf{{Bold}}: best in each column.",
+        stub_heads=["Model" if base else info["stub"]] + (["Paper's row"] if base else []),
         heads=[m for _, m in columns],
         groups=_groups(columns),
         rows=rows,
@@ -230,6 +236,26 @@ def ablation_table(rs: ResultSet, ablation: str, compare: bool = False) -> Table
         compare=compare,
         source="paper" if from_paper else "results",
     )
+
+
+def producers(rs: ResultSet) -> dict[str, str]:
+    """The main-table names of the checkpoints behind the ablations (same model_path): "melt" (the full
+    MELT row) and "ouro" (the untrained-sharing base), e.g. the demo's melt-tiny and ouro-tiny."""
+    from melt_eval.report.claims import producer_name
+
+    found = {"melt": producer_name(rs, "components", "full"), "ouro": producer_name(rs, "kv-sharing", "ouro")}
+    return {k: v for k, v in found.items() if v}
+
+
+def _our_label(ablation: str, variant: str, paper_label: str, base: str) -> str:
+    """An ablation row named by the model that produced it (e.g. "melt-tiny (P1), mean")."""
+    if variant in ("full", "ouro"):
+        return base
+    if ablation == "gates":
+        return f"{base} (P1, elementwise)" if variant == "elementwise" else f"{base} (P1), {paper_label.lower()}"
+    if ablation == "components":
+        return f"{base} {paper_label.replace('- ', chr(0x2212) + ' ', 1)}"
+    return f"{base}, {paper_label[0].lower()}{paper_label[1:]}"
 
 
 def _task_metrics(rs: ResultSet, task: str) -> list[str]:
@@ -264,13 +290,16 @@ def other_tasks_table(rs: ResultSet) -> Table | None:
     if not extra:
         return None
     columns = [(t, m) for t in extra for m in _task_metrics(rs, t)]
+    # the paper's model each one stands in for (the demo's melt-tiny for MELT-1.6B, ...)
+    stands_for = {name: MAIN_MODELS[{"melt": "melt-1.6b", "ouro": "ouro-1.4b-thinking"}[kind]]
+                  for kind, name in producers(rs).items()}
     rows = []
     for model in [m for m in rs.main_models() if m not in rs.loop_sweep_dirs()]:
         cells = []
         for task, metric in columns:
             value, stderr = _pct(rs.main.get((model, task)), metric)
             cells.append(Cell(value, stderr))
-        rows.append(Row([_display(model)], cells))
+        rows.append(Row([_display(model)] + ([stands_for.get(model, "")] if stands_for else []), cells))
     for j in range(len(columns)):
         mark([r.cells[j] for r in rows], second=True)
     return Table(
@@ -278,7 +307,7 @@ def other_tasks_table(rs: ResultSet) -> Table | None:
         title="Other tasks",
         caption="Tasks outside the paper's benchmarks (mean $\\pm$ standard error, percent). "
         "\\textbf{Bold}: best; \\underline{underlined}: second best.",
-        stub_heads=["Model"],
+        stub_heads=["Model"] + (["Paper's model"] if stands_for else []),
         heads=[m for _, m in columns],
         groups=_groups(columns),
         rows=rows,
@@ -346,14 +375,47 @@ def _ratio(x: float) -> str:
     return f"{x:.2f}".rstrip("0").rstrip(".")
 
 
+def claims_table(rs: ResultSet) -> Table:
+    """The paper's claims, each with what the results measured, its threshold and whether it holds;
+    the same check on the paper's own numbers beside (melt_eval.report.claims)."""
+    from melt_eval.report.claims import paper_claims
+
+    def holds(h: bool | None) -> Cell:
+        return Cell(text={True: "\u2713", False: "\u2717", None: NA}[h])
+
+    rows = [Row([c.claim], [Cell(text=c.measured or "not run"), Cell(text=c.threshold), holds(c.holds),
+                            Cell(text=c.paper or "(a figure; no numbers)"), holds(c.paper_holds)])
+            for c in paper_claims(rs)]
+    return Table(
+        key="claims",
+        title="Paper claims",
+        caption="The paper's claims checked against these results (pass@1, or accuracy for one-sample tasks, "
+        "averaged over the tasks the compared models share), and the same check on the paper's own numbers "
+        "(averaged over its benchmarks).",
+        stub_heads=["Claim"],
+        heads=["Measured", "Threshold", "Holds", "Paper's numbers", "Holds in the paper"],
+        rows=rows,
+        notes=["n/a: the results a claim needs are missing."],
+    )
+
+
+def has_paper_benchmarks(rs: ResultSet) -> bool:
+    return any(t in BENCHMARK_LABELS for _, t in rs.main)
+
+
 def build_tables(rs: ResultSet, compare: bool = False) -> list[Table]:
+    """Every table. With results: the claims table first; the main table only when some result is on one of
+    the paper's benchmarks (a demo's models would fill it with n/a)."""
     tables = [
-        main_table(rs, compare),
         ablation_table(rs, "gates", compare),
         ablation_table(rs, "components", compare),
         ablation_table(rs, "kv-sharing", compare),
         memory_report_table(rs, compare),
     ]
+    if rs.empty or has_paper_benchmarks(rs):
+        tables.insert(0, main_table(rs, compare))
+    if not rs.empty:
+        tables.insert(0, claims_table(rs))
     other = other_tasks_table(rs)
     return tables + ([other] if other else [])
 

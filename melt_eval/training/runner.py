@@ -643,10 +643,9 @@ def _status(record: dict) -> str:
 
 
 def _progress(enabled: bool):
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+    from melt_eval.evaluation.progress import training_progress
 
-    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                    TimeRemainingColumn(), TextColumn("{task.fields[status]}"), disable=not enabled)
+    return training_progress(enabled)  # a bar on a terminal, plain lines at a fixed cadence in a log
 
 
 def run_recipe(name: str | Recipe, from_model: str | None = None, output: str | Path = "runs/melt", *,

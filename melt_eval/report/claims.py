@@ -1,0 +1,280 @@
+"""The paper's qualitative claims, each checked against a results directory (and against the paper's own numbers).
+
+Every figure here is computed from results.json files (or from paper_results.json for the paper's
+column); nothing is typed in. A claim whose results are missing reads n/a, never ✓. Scores are
+pass@1 (accuracy for one-sample tasks), averaged over the tasks every compared model has.
+
+Thresholds are fixed here, once, from the paper's wording; they are not tuned to the results:
+  1. MELT keeps at least 90% of its teacher's pass@1 with a KV cache 1/T the size (the paper: 93-99%);
+  2. every untrained KV-sharing variant scores below 25% of the teacher (the paper: 0);
+  3. removing chunk-wise training collapses accuracy: below 25% of full MELT (the paper: 0);
+  4. each other ladder component helps: every removal in the ladder lowers pass@1;
+  5. the element-wise gate is the best gate: no other gate scores higher;
+  6. accuracy rises with T while MELT's cache stays constant: MELT's pass@1 never falls as T grows,
+     is higher at the largest T than at T = 1, and the cache its runs measured is the same at every T.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from melt_eval.report.results import Result, ResultSet
+
+KEEP = 0.90  # claim 1
+COLLAPSE = 0.25  # claims 2 and 3
+UNTRAINED = ("last-prefill", "last", "first-prefill", "first")
+LADDER = ("full", "no-align", "no-interp", "no-kd")  # each row removes one more component
+GATES = ("elementwise", "scalar", "ema-0.2", "mean", "last")
+CACHE_TOLERANCE = 0.01  # relative: a measured cache ratio within 1% of 1/T is 1/T
+
+
+@dataclass
+class Claim:
+    claim: str
+    threshold: str
+    measured: str | None = None  # the figures, with the names of the models that produced them
+    holds: bool | None = None  # None: not measured (results missing)
+    paper: str | None = None  # the same check on the paper's own numbers
+    paper_holds: bool | None = None
+    values: dict = field(default_factory=dict)  # the numbers behind `measured`
+
+    def to_json(self) -> dict:
+        return {"claim": self.claim, "measured": self.measured, "threshold": self.threshold, "holds": self.holds,
+                "values": self.values, "paper": self.paper, "paper_holds": self.paper_holds}
+
+
+def first_score(result: Result) -> float | None:
+    got = result.metric("pass@1") or result.metric("accuracy")
+    return None if got is None else got[0]
+
+
+def _pct(x: float) -> str:
+    return f"{100 * x:.1f}"
+
+
+# ------------------------------------------------------------------ who is who in a results directory
+
+
+def _main_entry(rs: ResultSet, kind: str) -> tuple[str, dict[str, Result]] | None:
+    """The main-table model of `kind` ("melt" or "ouro"): the paper's registry name first, then any
+    model directory naming it (e.g. the demo's melt-tiny), never a run at another loop count."""
+    sweeps = rs.loop_sweep_dirs()
+    names = [m for m in rs.main_models() if m not in sweeps]
+    preferred = {"melt": "melt-1.6b", "ouro": "ouro-1.4b-thinking"}[kind]
+    name = preferred if preferred in names else next((m for m in names if kind in m.lower()), None)
+    if name is None:
+        return None
+    return name, {t: r for (m, t), r in rs.main.items() if m == name}
+
+
+def _variant(rs: ResultSet, ablation: str, variant: str) -> dict[str, Result]:
+    return {t: r for (a, v, t), r in rs.ablations.items() if a == ablation and v == variant}
+
+
+def producer_name(rs: ResultSet, ablation: str, variant: str) -> str | None:
+    """The main-table name of the checkpoint an ablation row evaluated (same model_path), if it has one."""
+    paths = {r.raw.get("model_path") for r in _variant(rs, ablation, variant).values()} - {None}
+    sweeps = rs.loop_sweep_dirs()
+    for (m, _), r in rs.main.items():
+        if m not in sweeps and r.raw.get("model_path") in paths:
+            return m
+    return None
+
+
+def _mean_over_shared(entries: dict[str, dict[str, Result]]) -> tuple[dict[str, float], list[str]] | None:
+    """Mean first score per entry over the tasks every entry has (None if they share none)."""
+    scored = {k: {t: s for t, r in v.items() if (s := first_score(r)) is not None} for k, v in entries.items()}
+    if not scored or any(not v for v in scored.values()):
+        return None
+    shared = sorted(set.intersection(*(set(v) for v in scored.values())))
+    if not shared:
+        return None
+    return {k: sum(v[t] for t in shared) / len(shared) for k, v in scored.items()}, shared
+
+
+# ------------------------------------------------------------------ the checks (ours)
+
+
+def _keeps_teacher(rs: ResultSet, claim: Claim) -> None:
+    melt, teacher = _main_entry(rs, "melt"), _main_entry(rs, "ouro")
+    melt = melt or ("MELT", _variant(rs, "components", "full"))
+    teacher = teacher or ("the LoopLM", _variant(rs, "kv-sharing", "ouro"))
+    got = _mean_over_shared({"melt": melt[1], "teacher": teacher[1]})
+    if got is None:
+        return
+    means, tasks = got
+    claim.values = {"melt": melt[0], "teacher": teacher[0], "tasks": tasks, "melt_pass@1": means["melt"],
+                    "teacher_pass@1": means["teacher"]}
+    if not means["teacher"]:
+        claim.measured = f"{teacher[0]} (the teacher) scores 0.0: no ratio to take"
+        return
+    ratio = claim.values["ratio"] = means["melt"] / means["teacher"]
+    caches = [(melt[1][t].raw.get("peak_cache_bytes"), teacher[1][t].raw.get("peak_cache_bytes"),
+               teacher[1][t].settings.get("loops")) for t in tasks]
+    caches = [c for c in caches if all(c)]
+    text = f"{melt[0]} {_pct(means['melt'])} / {teacher[0]} {_pct(means['teacher'])} = {ratio:.2f}"
+    cache_ok = None
+    if caches:
+        melt_bytes, teacher_bytes, loops = caches[0]
+        cache_ratio = melt_bytes / teacher_bytes
+        cache_ok = all(abs(m / t * lp - 1) <= CACHE_TOLERANCE for m, t, lp in caches)
+        claim.values.update(cache_ratio=cache_ratio, loops=loops)
+        text += f"; cache {cache_ratio:.3f}x at T = {loops}"
+    else:
+        text += "; cache not recorded"
+    claim.measured = text
+    claim.holds = ratio >= KEEP and cache_ok is not False
+
+
+def _untrained_collapse(rs: ResultSet, claim: Claim) -> None:
+    entries = {"ouro": _variant(rs, "kv-sharing", "ouro")}
+    entries.update({v: _variant(rs, "kv-sharing", v) for v in UNTRAINED if _variant(rs, "kv-sharing", v)})
+    got = _mean_over_shared(entries) if len(entries) > 1 else None
+    if got is None:
+        return
+    means, _ = got
+    if not means["ouro"]:
+        claim.measured = "the teacher scores 0.0: no ratio to take"
+        return
+    ratios = {v: means[v] / means["ouro"] for v in UNTRAINED if v in means}
+    worst = max(ratios, key=ratios.get)
+    claim.values = {"teacher_pass@1": means["ouro"], "ratios": ratios}
+    claim.measured = ", ".join(f"{v} {r:.2f}" for v, r in ratios.items()) + f" of the teacher (max: {worst})"
+    missing = [v for v in UNTRAINED if v not in ratios]
+    if missing:
+        claim.measured += f"; not run: {', '.join(missing)}"
+    claim.holds = None if missing else all(r < COLLAPSE for r in ratios.values())
+
+
+def _chunk_collapse(rs: ResultSet, claim: Claim) -> None:
+    got = _mean_over_shared({"full": _full(rs), "no-chunk": _variant(rs, "components", "no-chunk")})
+    if got is None:
+        return
+    means, _ = got
+    if not means["full"]:
+        claim.measured = "full MELT scores 0.0: no ratio to take"
+        return
+    ratio = means["no-chunk"] / means["full"]
+    claim.values = {"full_pass@1": means["full"], "no_chunk_pass@1": means["no-chunk"], "ratio": ratio}
+    claim.measured = f"{_pct(means['no-chunk'])} against {_pct(means['full'])} = {ratio:.2f} of full MELT"
+    claim.holds = ratio < COLLAPSE
+
+
+def _full(rs: ResultSet) -> dict[str, Result]:
+    return _variant(rs, "components", "full") or (_main_entry(rs, "melt") or ("", {}))[1]
+
+
+def _ladder(rs: ResultSet, claim: Claim) -> None:
+    entries = {v: _variant(rs, "components", v) for v in LADDER}
+    entries["full"] = entries["full"] or _full(rs)
+    entries["no-align"] = entries["no-align"] or _variant(rs, "gates", "elementwise")  # the same run
+    got = _mean_over_shared(entries)
+    if got is None:
+        return
+    means, _ = got
+    drops = {f"-{b[3:]}": means[a] - means[b] for a, b in zip(LADDER, LADDER[1:])}
+    claim.values = {"pass@1": means, "drops": drops}
+    claim.measured = ", ".join(f"{v} {_pct(means[v])}" for v in LADDER)
+    claim.holds = all(d > 0 for d in drops.values())
+    if not claim.holds:
+        claim.measured += "; " + ", ".join(f"removing {k[1:]} changes {100 * -d + 0.0:+.1f}" for k, d in drops.items() if d <= 0)
+
+
+def _best_gate(rs: ResultSet, claim: Claim) -> None:
+    entries = {g: _variant(rs, "gates", g) for g in GATES}
+    entries["elementwise"] = entries["elementwise"] or _variant(rs, "components", "no-align")
+    entries = {g: e for g, e in entries.items() if e}
+    if "elementwise" not in entries or len(entries) < 2:
+        return
+    got = _mean_over_shared(entries)
+    if got is None:
+        return
+    means, _ = got
+    best_other = max((g for g in means if g != "elementwise"), key=means.get)
+    claim.values = {"pass@1": means}
+    claim.measured = f"elementwise {_pct(means['elementwise'])}; best other: {best_other} {_pct(means[best_other])}"
+    claim.holds = means["elementwise"] >= means[best_other]
+
+
+def _rises_with_loops(rs: ResultSet, claim: Claim) -> None:
+    from melt_eval.report.plots import loops_points
+
+    lines = {label: ps for label, ps in loops_points(rs).items() if "melt" in label.lower() and "kv-sharing" not in label}
+    if not lines:
+        return
+    label, points = next(iter(lines.items()))
+    acc = [p.accuracy for p in points]
+    cache = [p.measured_mb for p in points]
+    if any(a is None for a in acc):
+        return
+    rising = all(b >= a for a, b in zip(acc, acc[1:])) and acc[-1] > acc[0]
+    constant = None if any(c is None for c in cache) else max(cache) - min(cache) <= CACHE_TOLERANCE * max(cache)
+    claim.values = {"model": label, "loops": [p.loops for p in points], "pass@1": [a / 100 for a in acc],
+                    "cache_mb": cache}
+    claim.measured = f"{label} pass@1 " + " / ".join(f"{a:.1f}" for a in acc) + " at T = " + \
+        ",".join(str(p.loops) for p in points)
+    claim.measured += "; cache not recorded" if constant is None else \
+        "; cache " + " / ".join(f"{c:.2f}" for c in cache) + " MiB"
+    claim.holds = rising and constant is not False
+
+
+CHECKS = [
+    ("MELT keeps at least 90% of its teacher's pass@1 with a KV cache 1/T the size",
+     f"MELT / teacher >= {KEEP:.2f}, cache = 1/T", _keeps_teacher),
+    ("Every untrained KV-sharing variant scores below 25% of the teacher",
+     f"each variant / teacher < {COLLAPSE:.2f}", _untrained_collapse),
+    ("Removing chunk-wise training collapses accuracy",
+     f"- chunk-wise / full MELT < {COLLAPSE:.2f}", _chunk_collapse),
+    ("Each other ladder component helps",
+     "every removal lowers pass@1", _ladder),
+    ("The element-wise gate is the best gate",
+     "elementwise >= every other gate", _best_gate),
+    ("Accuracy rises with T while MELT's cache stays constant",
+     "MELT pass@1 never falls as T grows, cache equal at every T", _rises_with_loops),
+]
+
+
+# ------------------------------------------------------------------ the same checks on the paper's numbers
+
+
+def _paper_checks() -> list[tuple[str | None, bool | None]]:
+    from melt_eval.report.paper import ABLATIONS, MAIN_MODELS, paper_memory, paper_results
+
+    pr = paper_results()
+
+    def mean_first(scores: dict) -> float:
+        firsts = [next(iter(m.values())) for m in scores.values()]
+        return sum(firsts) / len(firsts)
+
+    def section(ablation: str) -> dict[str, float]:
+        info = ABLATIONS[ablation]
+        return {v: mean_first(pr[info["section"]][key]) for v, (key, _) in info["variants"].items()}
+
+    main = pr["main_comparison"]["scores"]
+    melt_key, ouro_key = MAIN_MODELS["melt-1.6b"], MAIN_MODELS["ouro-1.4b-thinking"]
+    melt, ouro = mean_first(main[melt_key]), mean_first(main[ouro_key])
+    cache = paper_memory(melt_key)["kv_mb_per_token"] / paper_memory(ouro_key)["kv_mb_per_token"]
+    kv, comp, gates = section("kv-sharing"), section("components"), section("gates")
+    untrained = {v: kv[v] / kv["ouro"] for v in UNTRAINED}
+    drops = [comp[a] - comp[b] for a, b in zip(LADDER, LADDER[1:])]
+    best_other = max((g for g in GATES if g != "elementwise"), key=gates.get)
+    return [
+        (f"MELT-1.6B {melt:.1f} / Ouro {ouro:.1f} = {melt / ouro:.2f}; cache {cache:.3f}x", melt / ouro >= KEEP),
+        ("max " + f"{max(untrained.values()):.2f}", all(r < COLLAPSE for r in untrained.values())),
+        (f"{comp['no-chunk']:.1f} against {comp['full']:.1f}", comp["no-chunk"] / comp["full"] < COLLAPSE),
+        (", ".join(f"{v} {comp[v]:.1f}" for v in LADDER), all(d > 0 for d in drops)),
+        (f"elementwise {gates['elementwise']:.1f}; best other: {best_other} {gates[best_other]:.1f}",
+         gates["elementwise"] >= gates[best_other]),
+        (None, None),  # the paper shows this in a figure; paper_results.json holds no per-T numbers
+    ]
+
+
+def paper_claims(rs: ResultSet) -> list[Claim]:
+    """Each claim measured on `rs`, with the same check on the paper's numbers (averaged over its
+    ablation benchmarks, pass@1 or accuracy) beside it."""
+    out = []
+    for (text, threshold, check), (paper, paper_holds) in zip(CHECKS, _paper_checks()):
+        claim = Claim(text, threshold, paper=paper, paper_holds=paper_holds)
+        check(rs, claim)
+        out.append(claim)
+    return out
