@@ -93,9 +93,6 @@ def test_second_run_only_re_renders(quick_demo, monkeypatch):
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(reason="issue 13, in progress: on the worked-solution task the teacher recipe (800 x 16 from scratch) "
-                          "measured 2% greedy; a recipe that reaches 0.5 is not found yet (README, 'Where the demo stands')",
-                   strict=False)
 def test_full_demo_teacher_reaches_half_pass_at_1(tmp_path):
     """The full demo's teacher, trained by its recipe and evaluated as the demo evaluates it, answers at
     least half of the test problems per sample (pass@1 >= 0.5): the demo's numbers rest on it (~5 min)."""

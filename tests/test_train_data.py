@@ -16,25 +16,20 @@ def tok():
 
 
 def test_synthetic_splits_are_deterministic_disjoint_and_correct():
-    a = synthetic.make_split("train", 300, seed=0, num_steps=(5, 8))
-    assert a == synthetic.make_split("train", 300, seed=0, num_steps=(5, 8))
-    assert a != synthetic.make_split("train", 300, seed=1, num_steps=(5, 8))
-    test = synthetic.make_split("test", 100, seed=0, num_steps=(5, 8))
+    a = synthetic.make_split("train", 300, seed=0, num_steps=(1, 3))
+    assert a == synthetic.make_split("train", 300, seed=0, num_steps=(1, 3))
+    assert a != synthetic.make_split("train", 300, seed=1, num_steps=(1, 3))
+    test = synthetic.make_split("test", 100, seed=0, num_steps=(1, 3))
     assert not {x["problem"] for x in a} & {x["problem"] for x in test}
     assert len({x["problem"] for x in a}) == 300
     for item in a + test:
-        # "Start at 47. Add 8, 5 times." -> one worked step per repetition, each on the previous result
-        start, rest = item["problem"].removeprefix("Start at ").split(". ", 1)
-        verb, step, times = rest.replace(",", "").rstrip(".").split()[:3]
-        sign = 1 if verb == "Add" else -1
-        steps = item["solution"].split(" The answer is ")[0].split(". ")
-        assert len(steps) == int(times)
-        value = int(start)
-        for i, worked in enumerate(steps, 1):
-            value += sign * int(step)
-            assert worked.rstrip(".") == f"{i}: {value - sign * int(step)} {'+' if sign > 0 else '-'} {step} = {value}"
-            assert value > 0
-        assert str(value) == item["answer"] and item["solution"].endswith(f"\\boxed{{{item['answer']}}}.")
+        env = {}
+        for stmt in item["problem"].split(". ")[:-1]:  # "a = 7", "b = a + 5", ...
+            name, expr = stmt.split(" = ")
+            env[name] = eval(expr, {}, env)
+        asked = item["problem"].rsplit("What is ", 1)[1].rstrip("?")
+        assert str(env[asked]) == item["answer"]
+        assert item["solution"].endswith(f"\\boxed{{{item['answer']}}}.")
     with pytest.raises(ValueError, match="distinct"):
         synthetic.make_split("test", 50, num_steps=1, max_value=3)
 
@@ -121,14 +116,11 @@ def test_collate_pads_right(tok):
 
 
 def test_tiny_tokenizer_keeps_the_demo_task_short(tok):
-    """The demo's task is generated reasoning: with its chat template, the worked reply is at least three
-    times the prompt, and the whole problem fits the recipes' 128 slots; roles are one token each, and
-    numbers are one token per digit (so every number is spelled the same way wherever it stands)."""
-    for x in synthetic.make_split("test", 200, seed=0, num_steps=(5, 8)):
-        ids, mask = encode_chat(tok, synthetic.to_messages(x, "solution"), 256)
-        prompt = mask.index(True)
-        assert len(ids) <= 128 and sum(mask) >= 3 * prompt, (len(ids), sum(mask), prompt)  # generated: reply + end
-    assert tok.tokenize(" 1234") == ["\u01201", "2", "3", "4"] and tok.tokenize("{97}") == ["{", "9", "7", "}"]
+    """The demo's training and decoding time grow with sequence length: the tiny tokenizer learned the
+    task's chat form, so a rendered problem with its answer stays near 35 tokens, roles one token each."""
+    lengths = [len(encode_chat(tok, synthetic.to_messages(x), 64)[0])
+               for x in synthetic.make_split("test", 200, seed=0, num_steps=(1, 2))]
+    assert max(lengths) <= 36, max(lengths)
     assert tok.tokenize("user") == ["user"] and tok.tokenize("assistant") == ["assistant"]
 
 

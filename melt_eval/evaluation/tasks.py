@@ -151,12 +151,12 @@ SPECS: dict[str, TaskSpec] = {
                  select=_hle_subset),
         TaskSpec("humaneval", "openai/openai_humaneval", "default", "test", 1, "code", num_problems=164,
                  note="unit tests run in a sandboxed child process (no network, time/CPU/memory/output limits)"),
-        TaskSpec("synthetic", None, "default", "test", 16, "math", max_new_tokens=128, num_problems=200,
-                 note="built in: repeated two-digit arithmetic, worked step by step (melt_eval.training.synthetic)"),
+        TaskSpec("synthetic", None, "default", "test", 16, "math", max_new_tokens=16, num_problems=200,
+                 note="built in: variable tracking with small arithmetic (melt_eval.training.synthetic)"),
     ]
 }
 
-SYNTHETIC_TEST = dict(n=200, seed=0, num_steps=(5, 8), max_value=9)  # the distribution the demo trains on
+SYNTHETIC_TEST = dict(n=200, seed=0, num_steps=(1, 2), max_value=9)  # the distribution the demo trains on
 
 GROUPS: dict[str, list[str]] = {
     "paper": ["aime24", "aime25", "aime26", "amc23", "math500", "olympiadbench", "gpqa", "hle", "mmlu_redux", "humaneval"],

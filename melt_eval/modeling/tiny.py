@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-BUILD_VERSION = 3  # bump when a builder changes, so cached copies are rebuilt
+BUILD_VERSION = 2  # bump when a builder changes, so cached copies are rebuilt
 SEED = 0
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|pad|>"]
 CHAT_TEMPLATE = (
@@ -28,7 +28,7 @@ CHAT_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
-CHAT_TEMPLATE_TEXT = "user\n{problem}\nassistant\n{solution}\n"  # the template's text, special tokens aside
+CHAT_TEMPLATE_TEXT = "user\n{problem}\nassistant\n\\boxed{{{answer}}}\n"  # the template's text, special tokens aside
 TINY_DIMS = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2, head_dim=64)
 
 
@@ -45,27 +45,21 @@ def _corpus(n_lines: int = 4000) -> list[str]:
         lines.append(f"{rng.choice(words)} {a} {op} {b} = {eval(f'{a}{op}{b}')} so \\boxed{{{a}}}.")
         lines.append(" ".join(rng.choice(words) for _ in range(rng.randint(3, 12))))
         lines.append(f"x = {a}; y = x + {b}; z = y * 2. What is z? \\boxed{{{2 * (a + b)}}}")
-    # The demo's synthetic task in its chat form with worked steps (train split only), so that its
-    # problems, steps and the template's role names take few tokens: training and decoding cost grow
-    # with the length.
+    # The demo's synthetic task in its chat form (train split only), so that its problems and the
+    # template's role names take few tokens: training and decoding cost grow with the length.
     from melt_eval.training.synthetic import make_split
 
-    for item in make_split("train", n_lines // 2, seed=SEED, num_steps=(1, 8)):
-        lines.append(CHAT_TEMPLATE_TEXT.format(problem=item["problem"], solution=item["solution"]))
+    for item in make_split("train", n_lines // 2, seed=SEED, num_steps=(1, 3)):
+        lines.append(CHAT_TEMPLATE_TEXT.format(problem=item["problem"], answer=item["answer"]))
     return lines
 
 
 def build_tokenizer(vocab_size: int = 512):
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
-    # one token per digit (a space may lead the first), as Llama and Qwen split numbers: every number
-    # is spelled the same way wherever it stands, so arithmetic is learnt digit by digit
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(r" ?\p{N}"), behavior="isolated"),
-        pre_tokenizers.ByteLevel(add_prefix_space=False),
-    ])
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
