@@ -156,8 +156,10 @@ def describe(variants: list[Variant], runs_dir: Path, output: Path, tasks: str, 
 
 
 def _train_status(run_dir: Path) -> str:
-    meta = run_dir / "melt_eval_training.json"
-    if meta.exists() and json.loads(meta.read_text()).get("status") == "finished":
+    from melt_eval.training.runner import _read_meta
+
+    meta = _read_meta(run_dir)  # an unreadable meta file is not "finished": --resume recovers it
+    if isinstance(meta, dict) and meta.get("status") == "finished":
         return "done"
     return "resume" if (run_dir / "recipe.yaml").exists() else "to do"
 
