@@ -75,6 +75,8 @@ def test_bad_completions_file(tmp_path, capsys, case):
          "aime24.jsonl is a directory"),
         (["run", "synthetic", "--model", "tiny-random-melt", "--output", "{file}"], "is a file, not a directory"),
         (["run", "synthetic", "--model", "tiny-random-melt", "--output", "{file}/sub"], "is a file, not a directory"),
+        (["run", "synthetic", "--model", "tiny-random-melt", "--output", "{tmp}", "--name", "file"],
+         "is a file, where"),
         (["train", "--recipe", "tiny-phase1", "--from", "tiny-random-ouro", "--output", "{file}"], "is a file"),
         (["train", "--recipe", "tiny-phase1", "--from", "tiny-random-ouro", "--output", "{tmp}/t", "--config", "{dir}"],
          "is a directory"),

@@ -106,6 +106,7 @@ def register(app: typer.Typer) -> None:
             raise UserError(f"--details {details} is a directory or inside a file; pass a file path to write")
         result = score_completions(task, completions, data_dir=data_dir, unsafe_local_exec=unsafe_local_exec)
         if details:
+            details.parent.mkdir(parents=True, exist_ok=True)
             details.write_text("".join(json.dumps(d) + "\n" for d in result["details"]))
         if fmt == "json":
             out = {name: m["value"] for name, m in result["metrics"].items()}

@@ -228,8 +228,11 @@ def read_finished(task_dir: Path, identity: dict | None = None) -> dict | None:
 def _claim(task_dir: Path, identity: dict, force: bool) -> None:
     """Make `task_dir` this run's: resume it if it holds the same run, refuse if another."""
     run_file = task_dir / "run.json"
-    if task_dir.exists() and not task_dir.is_dir():
-        raise UserError(f"{task_dir} is a file, where this task's results go; move it away or pass another --output")
+    for path in (task_dir, *task_dir.parents):  # the task's directory, or a folder on its way, is a file
+        if path.exists():
+            if not path.is_dir():
+                raise UserError(f"{path} is a file, where {task_dir} should go; move it away or pass another --output")
+            break
     if force and task_dir.exists():
         clear_directory(task_dir)  # all but the lock this run holds
     if run_file.exists():

@@ -285,8 +285,8 @@ def generate(
     seeds = [seed] * num_prompts if seed is None or isinstance(seed, int) else list(seed)
     if len(seeds) != num_prompts:
         raise ValueError("seed must be an int or one int per prompt")
-    rows = [(i, j) for i in range(num_prompts) for j in range(n)]  # (prompt, sample), in output order
-    per_wave = plan_waves(model, prompt_tokens=p_max, max_new_tokens=max_new_tokens, rows=len(rows),
+    total_rows = num_prompts * n  # row r is sample r % n of prompt r // n, in output order
+    per_wave = plan_waves(model, prompt_tokens=p_max, max_new_tokens=max_new_tokens, rows=total_rows,
                           kv_sharing=kv_sharing, share_prompt=share_prompt, max_cache_bytes=max_cache_bytes,
                           allow_beyond_max_positions=allow_beyond_max_positions, dtype=dtype, device=device)
     eos = set([eos_token_id] if isinstance(eos_token_id, int) else (eos_token_id or []))
@@ -296,8 +296,8 @@ def generate(
     logprobs: list[list[float]] = []
     finish: list[str] = []
     peak = 0
-    for start in range(0, len(rows), per_wave):
-        wave = rows[start : start + per_wave]
+    for start in range(0, total_rows, per_wave):
+        wave = [divmod(r, n) for r in range(start, min(start + per_wave, total_rows))]
         generators = []
         for i, j in wave:
             g = torch.Generator(device=device)

@@ -50,7 +50,8 @@ def read_config(model_dir: Path) -> dict:
     if not isinstance(model_type, str) or not model_type:
         raise UserError(f"{config_file} has no model_type; a checkpoint's config names its architecture "
                         "(\"ouro\", \"melt\", \"llama\", ...)")
-    for arch in config.get("architectures") or []:
+    architectures = config.get("architectures")
+    for arch in architectures if isinstance(architectures, list) else []:
         if arch in ARCHITECTURES and ARCHITECTURES[arch] != model_type:
             raise UserError(f"{config_file}: model_type {model_type!r} does not match its architecture {arch} "
                             f"(model_type {ARCHITECTURES[arch]!r}); fix the config")
