@@ -348,8 +348,8 @@ def _server_worker(out) -> None:
         greedy = gen.generate(PROMPTS, n=1, temperature=0.0, max_new_tokens=6)
         sampled = gen.generate(PROMPTS, n=3, temperature=0.8, top_p=0.9, max_new_tokens=6, seed=seeds)
         res["inprocess"] = {"greedy": [s[0] for s in greedy.sequences], "sampled": sampled.sequences}
-    run_tasks("synthetic", "tiny-random-melt", output=out / "inprocess", backend="vllm",
-              engine={k: v for k, v in ENGINE.items()}, **RUN)
+    [res["inprocess_result"]] = run_tasks("synthetic", "tiny-random-melt", output=out / "inprocess", backend="vllm",
+                                          engine=dict(ENGINE), **RUN)
     model, tok = load_model("tiny-random-melt")
     native = generate(model, PROMPTS, temperature=0.0, max_new_tokens=6, eos_token_id=tok.eos_token_id)
     res["native_greedy"] = [s[0] for s in native.sequences]
@@ -445,6 +445,16 @@ def test_served_run_equals_inprocess_run_and_records_the_server(served):
     result = served["endpoint_result"]
     assert result["settings"]["served_model"] == "tiny-random-melt"
     assert result["endpoint"]["vllm_version"] and result["endpoint"]["max_model_len"] == ENGINE["max_model_len"]
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_inprocess_run_records_the_engine_settings(served):
+    result = served["inprocess_result"]
+    assert result["settings"]["dtype"] == "float32"  # part of the run's identity
+    engine = result["engine"]
+    assert (engine["dtype"], engine["max_model_len"], engine["kv_cache_bytes"]) == ("float32", 256, 8 << 20)
+    assert engine["tensor_parallel_size"] == 1 and engine["model_class"].startswith("melt_eval.vllm_plugin.")
 
 
 @pytest.mark.slow

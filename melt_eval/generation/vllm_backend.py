@@ -169,7 +169,9 @@ class VllmGenerator:
         return {
             "dtype": str(vc.model_config.dtype).removeprefix("torch."), "max_model_len": vc.model_config.max_model_len,
             "tensor_parallel_size": vc.parallel_config.tensor_parallel_size,
-            "gpu_memory_utilization": vc.cache_config.gpu_memory_utilization,
+            # a fixed KV budget replaces the memory share: record the one that sized the cache
+            "gpu_memory_utilization": (None if vc.cache_config.kv_cache_memory_bytes
+                                       else vc.cache_config.gpu_memory_utilization),
             "kv_cache_bytes": kv["kv_bytes"], "kv_capacity_tokens": kv["capacity_tokens"],
             "max_num_seqs": vc.scheduler_config.max_num_seqs, "prefill_chunk": self.prefill_chunk_size,
             "enforce_eager": vc.model_config.enforce_eager, "compilation_mode": getattr(mode, "name", str(mode)),
