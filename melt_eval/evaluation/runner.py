@@ -225,14 +225,17 @@ def read_finished(task_dir: Path, identity: dict | None = None) -> dict | None:
     return result
 
 
-def _claim(task_dir: Path, identity: dict, force: bool) -> None:
-    """Make `task_dir` this run's: resume it if it holds the same run, refuse if another."""
-    run_file = task_dir / "run.json"
+def _refuse_file_in_path(task_dir: Path) -> None:
     for path in (task_dir, *task_dir.parents):  # the task's directory, or a folder on its way, is a file
         if path.exists():
             if not path.is_dir():
                 raise UserError(f"{path} is a file, where {task_dir} should go; move it away or pass another --output")
             break
+
+
+def _claim(task_dir: Path, identity: dict, force: bool) -> None:
+    """Make `task_dir` this run's: resume it if it holds the same run, refuse if another."""
+    run_file = task_dir / "run.json"
     if force and task_dir.exists():
         clear_directory(task_dir)  # all but the lock this run holds
     if run_file.exists():
@@ -461,6 +464,7 @@ def run_tasks(
                 out.append(done)
                 continue
             loaded.check_request(settings)
+            _refuse_file_in_path(task_dir)
             with DirLock(task_dir, "evaluation"):  # a second run (or --force) into this directory is refused
                 loaded.backend.start()  # vLLM starts only when something is left to generate, before any file is written
                 _claim(task_dir, identity, force)
