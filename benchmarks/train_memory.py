@@ -107,7 +107,7 @@ def projection(seq_len=10_000, chunk=500, checkpointing=True) -> dict:
 
     model = build_melt(OURO_1_4B, device="meta", checkpointing=checkpointing).to(torch.bfloat16)
     cfg = model.config
-    d, N, T, V = cfg.hidden_size, cfg.num_hidden_layers, cfg.total_ut_steps, cfg.vocab_size
+    d, T = cfg.hidden_size, cfg.total_ut_steps
     ids = torch.zeros(1, seq_len, dtype=torch.long, device="meta")
     buffers = {}
     real_init = TrainingKVBuffer.__init__

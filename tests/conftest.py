@@ -23,3 +23,14 @@ def shared_benchmarks() -> Path:
     if not SHARED_BENCHMARKS.is_dir():
         pytest.skip("../shared/benchmarks is not present")
     return SHARED_BENCHMARKS
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny tensors: a second intra-op thread only adds spin-waiting on a shared 2-core box."""
+    import torch
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

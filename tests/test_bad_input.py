@@ -4,27 +4,14 @@ already done, and never resolves a task name as a path or writes outside --outpu
 import json
 import re
 import shutil
-import sys
 
 import pytest
 
 from melt_eval.evaluation import run_tasks
 
+from helpers import main_exit_code as _main
+
 TINY_RUN = ["--max-problems", "2", "--samples", "2", "--max-new-tokens", "4", "--no-progress"]
-
-
-def _main(args) -> int:
-    """The console entry point as a user runs it; returns the exit code."""
-    from melt_eval.cli import main
-
-    old, sys.argv = sys.argv, ["melt-eval", *[str(a) for a in args]]
-    try:
-        main()
-    except SystemExit as exc:
-        return exc.code
-    finally:
-        sys.argv = old
-    return 0
 
 
 def _one_line_error(capsys, code, *fragments):

@@ -18,6 +18,8 @@ from melt_eval.generation.engine import (
 from melt_eval.modeling import LoopLMConfig, LoopLMForCausalLM, MeltConfig, MeltForCausalLM
 from melt_eval.modeling.tiny import build_tokenizer, make_tiny_looplm
 
+from helpers import main_exit_code as _main
+
 PROMPTS = [[3, 4, 5, 6, 7], [9, 10], [11, 12, 13]]
 
 
@@ -182,19 +184,6 @@ def test_parse_bytes_refuses_what_is_not_a_size(text):
         parse_bytes(text)
 
 
-def _main(args):
-    import sys
-
-    from melt_eval.cli import main
-
-    old, sys.argv = sys.argv, ["melt-eval", *args]
-    try:
-        main()
-    except SystemExit as exc:
-        return exc.code
-    finally:
-        sys.argv = old
-    return 0
 
 
 @pytest.mark.parametrize(

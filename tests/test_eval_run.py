@@ -14,6 +14,8 @@ from melt_eval.evaluation import lighteval_model, run_tasks, score_completions
 from melt_eval.evaluation.tasks import SYNTHETIC_TEST
 from melt_eval.training import synthetic
 
+from helpers import main_exit_code as _main
+
 TINY = dict(samples=2, max_problems=4, max_new_tokens=4, progress=False)
 runner = CliRunner()
 
@@ -150,20 +152,6 @@ def test_hf_causal_lm_runs_through_transformers_generate(tmp_path):
     assert result["peak_cache_bytes"] > 0  # the transformers cache, measured
 
 
-def _main(args):
-    """Run the console entry point as a user would; returns its exit code."""
-    import sys
-
-    from melt_eval.cli import main
-
-    old, sys.argv = sys.argv, ["melt-eval", *args]
-    try:
-        main()
-    except SystemExit as exc:
-        return exc.code
-    finally:
-        sys.argv = old
-    return 0
 
 
 @pytest.mark.parametrize(

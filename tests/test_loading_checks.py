@@ -13,6 +13,8 @@ from melt_eval.errors import UserError
 from melt_eval.modeling import load_model
 from melt_eval.registry import resolve_model_dir
 
+from helpers import main_exit_code as _main
+
 
 @pytest.fixture(scope="module")
 def tiny_dirs():
@@ -192,19 +194,6 @@ def test_a_cached_tiny_model_with_a_broken_config_or_tokenizer_is_rebuilt(tmp_pa
 
 # --- the CLI ---------------------------------------------------------------------------------------
 
-def _main(args):
-    import sys
-
-    from melt_eval.cli import main
-
-    old, sys.argv = sys.argv, ["melt-eval", *args]
-    try:
-        main()
-    except SystemExit as exc:
-        return exc.code
-    finally:
-        sys.argv = old
-    return 0
 
 
 def test_run_on_a_broken_checkpoint_is_one_line_and_writes_nothing(tiny_dirs, tmp_path, capsys):

@@ -18,12 +18,7 @@ from reference_chunked import reference_forward
 L = 10  # C = 3 leaves a ragged last chunk of 1
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

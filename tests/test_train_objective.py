@@ -14,13 +14,7 @@ from melt_eval.training.losses import align_loss, generalized_jsd, kd_loss, sft_
 from melt_eval.training.runner import forward_objective, lr_factor, param_groups
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny tensors: a second intra-op thread only adds spin-waiting on a shared 2-core box."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

@@ -24,7 +24,6 @@ with a `GenerationRequestError` (a UserError: one line at the CLI) naming the wr
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
@@ -32,7 +31,7 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from melt_eval.errors import UserError
-from melt_eval.modeling.kv_cache import PerLoopKV, PromptPerLoopThenSharedKV, SharedKV, StaticStore
+from melt_eval.modeling.kv_cache import PerLoopKV, PromptPerLoopThenSharedKV, StaticStore
 from melt_eval.modeling.looplm import KV_SHARING, LoopLMForCausalLM
 from melt_eval.modeling.melt import MeltForCausalLM
 
