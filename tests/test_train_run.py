@@ -22,13 +22,7 @@ FAST_OVERRIDES = {"seq_len": 64, "micro_batch_size": 4, "batch_tokens": 512, "wa
                   "data": [{"source": "synthetic", "n": 100, "num_steps": 1}], "tensorboard": False}
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny tensors: a second intra-op thread only adds spin-waiting on a shared 2-core box."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def cli(*args):
