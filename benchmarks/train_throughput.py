@@ -7,15 +7,18 @@ and slower. This measures optimiser steps of the real training path
 two parameter groups) for several C in one run, next to C = L and to the LoopLM itself.
 
     python benchmarks/train_throughput.py [--quick] [--json] [--preset tiny|small|ouro-1.4b]
-        [--seq-len L] [--batch B] [--chunks 16,64,256] [--steps N] [--interp]
+        [--seq-len L] [--batch B] [--chunks 16,64,256] [--steps N] [--interp] [--compile]
 
 Random weights and tokens: throughput does not depend on what the model knows.
-`--interp` adds phase-1 rows (alpha < 1: both KV sets are computed).
+`--interp` adds phase-1 rows (alpha < 1: both KV sets are computed). `--compile` times every
+MELT row again with the layer step compiled (recipe `compile: true`; its compilation falls in
+the untimed warm-up step) and fits the fixed cost per chunk of both, before and after.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import platform
 import sys
@@ -80,6 +83,15 @@ def measure(model, recipe: Recipe, batch: dict, steps: int, step_index: int, dev
     return out
 
 
+def fit_per_chunk(points: list[tuple[int, float]]) -> tuple[float, float]:
+    """Least squares step_s = fixed + per_chunk x chunks; returns (per_chunk, fixed)."""
+    n = len(points)
+    mx, my = sum(x for x, _ in points) / n, sum(y for _, y in points) / n
+    var = sum((x - mx) ** 2 for x, _ in points)
+    per_chunk = sum((x - mx) * (y - my) for x, y in points) / var if var else float("nan")
+    return per_chunk, my - per_chunk * mx
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="tiny model, short sequences, 2 timed steps")
@@ -90,6 +102,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--chunks", default=None, help="comma-separated chunk sizes (C = L is always added)")
     ap.add_argument("--steps", type=int, default=None)
     ap.add_argument("--interp", action="store_true", help="also time phase-1 steps (alpha < 1, both KV sets)")
+    ap.add_argument("--compile", action="store_true", help="also time the MELT rows with the layer step torch.compile'd")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = ap.parse_args(argv)
 
@@ -110,42 +123,57 @@ def main(argv=None) -> dict:
 
     rows = []
     base = Recipe(kd=False, interpolation_steps=0, data=[{"source": "synthetic"}])
-    rows.append({"model": "looplm", "chunk_size": None, "alpha": None,
+    rows.append({"model": "looplm", "chunk_size": None, "alpha": None, "compiled": False,
                  **measure(looplm, Recipe(**{**base.to_dict(), "target": "looplm"}), batch, steps, 0, device)})
-    for c in chunks:
-        r = Recipe(**{**base.to_dict(), "chunk_size": c})
-        rows.append({"model": "melt", "chunk_size": c, "alpha": 1.0, **measure(melt, r, batch, steps, 0, device)})
-        if args.interp:
-            ri = Recipe(**{**base.to_dict(), "chunk_size": c, "interpolation_steps": 2})
-            rows.append({"model": "melt", "chunk_size": c, "alpha": 0.5, **measure(melt, ri, batch, steps, 1, device)})
-    full = next(r for r in rows if r["model"] == "melt" and r["chunk_size"] == L and r["alpha"] == 1.0)
+    variants = [(False, melt)]
+    if args.compile:
+        compiled = copy.deepcopy(melt)
+        compiled.model.compile_layer_step()
+        variants.append((True, compiled))
+    for is_compiled, model in variants:
+        for c in chunks:
+            r = Recipe(**{**base.to_dict(), "chunk_size": c})
+            rows.append({"model": "melt", "chunk_size": c, "alpha": 1.0, "compiled": is_compiled,
+                         **measure(model, r, batch, steps, 0, device)})
+            if args.interp:
+                ri = Recipe(**{**base.to_dict(), "chunk_size": c, "interpolation_steps": 2})
+                rows.append({"model": "melt", "chunk_size": c, "alpha": 0.5, "compiled": is_compiled,
+                             **measure(model, ri, batch, steps, 1, device)})
+    full = next(r for r in rows if r["model"] == "melt" and r["chunk_size"] == L and r["alpha"] == 1.0 and not r["compiled"])
     for r in rows:
         r["vs_parallel"] = r["tokens_per_s"] / full["tokens_per_s"]
     # step time = fixed + per_chunk x chunks, least squares over the alpha = 1 rows
-    fit = [(-(-L // r["chunk_size"]), r["step_s"]) for r in rows if r["model"] == "melt" and r["alpha"] == 1.0]
-    n = len(fit)
-    mx, my = sum(x for x, _ in fit) / n, sum(y for _, y in fit) / n
-    var = sum((x - mx) ** 2 for x, _ in fit)
-    per_chunk = sum((x - mx) * (y - my) for x, y in fit) / var if var else float("nan")
+    fits = {is_compiled: fit_per_chunk([(-(-L // r["chunk_size"]), r["step_s"]) for r in rows if r["model"] == "melt"
+                                        and r["alpha"] == 1.0 and r["compiled"] == is_compiled])
+            for is_compiled, _ in variants}
+    per_chunk, fixed = fits[False]
 
     machine = (torch.cuda.get_device_name(device) if device.type == "cuda"
                else f"{platform.processor() or platform.machine()} CPU, {torch.get_num_threads()} threads")
     result = {"machine": machine, "preset": preset, "seq_len": L, "batch": B, "steps": steps,
               "dtype": str(dtype).replace("torch.", ""), "loops": 4, "rows": rows,
-              "per_chunk_s": per_chunk, "fixed_s": my - per_chunk * mx}
+              "per_chunk_s": per_chunk, "fixed_s": fixed}
+    if args.compile:
+        result["compiled_per_chunk_s"], result["compiled_fixed_s"] = fits[True]
     if args.json:
         print(json.dumps(result, indent=2))
     else:
         print(f"training throughput: {preset} (T=4), B={B}, L={L}, {result['dtype']}, {machine}")
-        print(f"{'model':<7} {'C':>6} {'alpha':>5} {'tokens/s':>10} {'step s':>8} {'vs C=L':>7}" + ("  peak GiB" if device.type == "cuda" else ""))
+        print(f"{'model':<7} {'step':<8} {'C':>6} {'alpha':>5} {'tokens/s':>10} {'step s':>8} {'vs C=L':>7}"
+              + ("  peak GiB" if device.type == "cuda" else ""))
         for r in rows:
             c = "-" if r["chunk_size"] is None else ("L" if r["chunk_size"] == L else str(r["chunk_size"]))
             a = "-" if r["alpha"] is None else f"{r['alpha']:.1f}"
-            line = f"{r['model']:<7} {c:>6} {a:>5} {r['tokens_per_s']:>10.0f} {r['step_s']:>8.3f} {r['vs_parallel']:>6.2f}x"
+            mode = "compiled" if r["compiled"] else "eager"
+            line = f"{r['model']:<7} {mode:<8} {c:>6} {a:>5} {r['tokens_per_s']:>10.0f} {r['step_s']:>8.3f} {r['vs_parallel']:>6.2f}x"
             if "peak_gib" in r:
                 line += f"  {r['peak_gib']:>8.2f}"
             print(line)
-        print(f"step time fit: {result['fixed_s']:.3f} s + {per_chunk * 1e3:.1f} ms per chunk (MELT, alpha 1)")
+        print(f"step time fit: {result['fixed_s']:.3f} s + {per_chunk * 1e3:.1f} ms per chunk (MELT, alpha 1, eager)")
+        if args.compile:
+            print(f"step time fit: {result['compiled_fixed_s']:.3f} s + {result['compiled_per_chunk_s'] * 1e3:.1f} ms"
+                  " per chunk (MELT, alpha 1, compiled)")
+        print("vs C=L: against the eager parallel (C = L) MELT step")
     return result
 
 

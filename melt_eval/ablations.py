@@ -24,7 +24,7 @@ import typer
 
 from melt_eval.errors import UserError
 from melt_eval.training import ladder
-from melt_eval.training.config import load_recipe
+from melt_eval.training.config import EXECUTION_FIELDS, load_recipe
 
 ABLATIONS = ("gates", "components", "kv-sharing")
 PRESETS = {
@@ -58,6 +58,8 @@ class TrainRun:
         """Readable, and a hash of everything the run computes: the resolved recipe and its start."""
         start = self.start.run_id if isinstance(self.start, TrainRun) else self.start
         resolved = load_recipe(self.recipe, overrides=dict(self.overrides)).to_dict()
+        for name in EXECUTION_FIELDS:
+            resolved.pop(name)
         blob = json.dumps([resolved, start], sort_keys=True, default=str)
         readable = "-".join([self.recipe] + [f"{k}={v}" for k, v in sorted(self.overrides.items())])
         return f"{readable}-{hashlib.sha256(blob.encode()).hexdigest()[:8]}".replace("/", "_")

@@ -20,6 +20,8 @@ from melt_eval.errors import UserError
 from melt_eval.jsonio import read_text
 
 RECIPES_DIR = Path(__file__).resolve().parents[2] / "recipes"
+# how a run executes, not what it computes: may change on resume, left out of run identities
+EXECUTION_FIELDS = {"compile"}
 TARGETS = ("melt", "looplm")
 OVERLONG = ("keep", "truncate", "drop")  # what is trained: MELT (converted or continued) or a plain LoopLM
 MIXED_PRECISION = ("auto", "bf16", "fp16", "no")
@@ -64,6 +66,9 @@ class Recipe:
     grad_clip: float = 1.0
     mixed_precision: str = "auto"  # auto: bf16 on GPU, fp32 on CPU
     gradient_checkpointing: bool = False
+    # torch.compile each (layer, loop) step's pure parts (`compile_layer_step`); micro-batches are
+    # then padded to a multiple of chunk_size so every chunk has one shape (no recompiles)
+    compile: bool = False  # in EXECUTION_FIELDS
     seed: int = 0
     # --- bookkeeping -----------------------------------------------------------------------
     save_every: int = 100  # optimiser steps between resumable checkpoints (0 = only at the end)

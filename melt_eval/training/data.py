@@ -309,21 +309,23 @@ class DataStream:
             src.load_state_dict(st)
 
 
-def bucket(examples: list[Example], micro_batch_size: int, pad_id: int) -> list[dict[str, torch.Tensor]]:
+def bucket(examples: list[Example], micro_batch_size: int, pad_id: int, pad_multiple: int = 1) -> list[dict[str, torch.Tensor]]:
     """A step's examples as micro-batches of similar length (length bucketing): sorted longest
     first and cut into groups of `micro_batch_size`, so each row pads only to its group's longest.
 
     Which examples make the step is unchanged, and the loss is normalised by the step's token
     counts, so the step's gradient does not depend on the grouping. Every row is one whole
-    document starting at column 0: its chunks count from its own first token.
+    document starting at column 0: its chunks count from its own first token. `pad_multiple`
+    rounds each group's width up (a compiled layer step sees whole chunks only).
     """
     ordered = sorted(examples, key=lambda e: len(e.input_ids), reverse=True)
-    return [collate(ordered[i : i + micro_batch_size], pad_id) for i in range(0, len(ordered), micro_batch_size)]
+    return [collate(ordered[i : i + micro_batch_size], pad_id, pad_multiple) for i in range(0, len(ordered), micro_batch_size)]
 
 
-def collate(examples: list[Example], pad_id: int) -> dict[str, torch.Tensor]:
-    """Right-padded batch: input_ids, attention_mask, loss_mask [B, longest]."""
-    width = max(len(e.input_ids) for e in examples)
+def collate(examples: list[Example], pad_id: int, pad_multiple: int = 1) -> dict[str, torch.Tensor]:
+    """Right-padded batch: input_ids, attention_mask, loss_mask [B, width], width the longest
+    row rounded up to a multiple of `pad_multiple`."""
+    width = -(-max(len(e.input_ids) for e in examples) // pad_multiple) * pad_multiple
     ids = torch.full((len(examples), width), pad_id, dtype=torch.long)
     attn = torch.zeros((len(examples), width), dtype=torch.bool)
     loss = torch.zeros((len(examples), width), dtype=torch.bool)

@@ -36,13 +36,13 @@ import yaml
 
 from melt_eval.errors import UserError
 from melt_eval.files import DirLock, fsync_dir, fsync_tree, remove_tree, write_json_atomic, write_text_atomic
-from melt_eval.training.config import Recipe, parse_yaml
+from melt_eval.training.config import EXECUTION_FIELDS, Recipe, parse_yaml
 from melt_eval.training.data import DataStream, bucket
 from melt_eval.training.losses import objective
 
 META_FILE = "melt_eval_training.json"
 # keys that may differ when resuming (they do not change what the run computes)
-RESUME_MUTABLE = {"save_every", "keep_checkpoints", "log_every", "tensorboard"}
+RESUME_MUTABLE = {"save_every", "keep_checkpoints", "log_every", "tensorboard"} | EXECUTION_FIELDS
 SHAPE_FIELDS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                 "num_key_value_heads", "head_dim", "vocab_size", "total_ut_steps")
 
@@ -462,6 +462,10 @@ def _train(recipe: Recipe, output: Path, *, resume: bool, progress: bool, stop_a
     student.train()
     if recipe.gradient_checkpointing:
         student.gradient_checkpointing_enable()
+    if recipe.compile:
+        student.model.compile_layer_step()
+    # a compiled step recompiles for every new chunk shape: pad rows to whole chunks
+    pad_multiple = recipe.chunk_size if recipe.compile and recipe.chunk_size else 1
     optimizer = torch.optim.AdamW(
         param_groups(student, recipe), betas=tuple(recipe.adam_betas), eps=recipe.adam_eps, weight_decay=recipe.weight_decay
     )
@@ -509,7 +513,7 @@ def _train(recipe: Recipe, output: Path, *, resume: bool, progress: bool, stop_a
                 factor = lr_factor(step, recipe)
                 for group in optimizer.param_groups:
                     group["lr"] = group["base_lr"] * factor
-                batches = bucket([stream.next() for _ in range(recipe.micro_batch_size * accum)], recipe.micro_batch_size, pad_id)
+                batches = bucket([stream.next() for _ in range(recipe.micro_batch_size * accum)], recipe.micro_batch_size, pad_id, pad_multiple)
                 counts = torch.tensor([sum(float(b["loss_mask"][:, 1:].sum()) for b in batches),
                                        sum(float(b["attention_mask"].sum()) for b in batches),
                                        sum(b["attention_mask"].numel() for b in batches)], device=accelerator.device)
