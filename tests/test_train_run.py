@@ -129,3 +129,22 @@ def test_pretrain_looplm_from_scratch(tmp_path):
     assert type(model).__name__ == "LoopLMForCausalLM" and model.config.total_ut_steps == 3
     meta = json.loads((out / "melt_eval_training.json").read_text())
     assert meta["target"] == "looplm" and meta["teacher"] is None
+
+
+@pytest.mark.slow
+def test_compiled_layer_step_trains_like_eager_and_may_change_on_resume(tmp_path):
+    """`compile: true` pads rows to whole chunks and compiles the layer step: the same losses as
+    eager; being an execution field, it may be switched off when resuming. (Weights are not
+    compared: AdamW turns float-rounding differences in near-zero gradients into lr-sized steps.)"""
+    common = {**FAST_OVERRIDES, "max_steps": 2, "interpolation_steps": 0, "chunk_size": 16}
+    eager = run_recipe("tiny-phase1", "tiny-random-ouro", tmp_path / "eager", progress=False, overrides=common)
+    run_recipe("tiny-phase1", "tiny-random-ouro", tmp_path / "compiled", progress=False, stop_after=1,
+               overrides={**common, "compile": True, "save_every": 1})
+    logged = json.loads((tmp_path / "compiled" / "logs" / "metrics.jsonl").read_text().splitlines()[0])
+    resumed = run_recipe("tiny-phase1", "tiny-random-ouro", tmp_path / "compiled", progress=False, resume=True,
+                         overrides={**common, "save_every": 1})
+    la = [json.loads(l) for l in (eager / "logs" / "metrics.jsonl").read_text().splitlines()]
+    lb = [json.loads(l) for l in (resumed / "logs" / "metrics.jsonl").read_text().splitlines()]
+    assert logged["loss"] == pytest.approx(la[0]["loss"], rel=1e-5)
+    assert [r["loss"] for r in lb] == pytest.approx([r["loss"] for r in la], rel=1e-4)
+    assert lb[0]["padding_fraction"] > la[0]["padding_fraction"]  # rows padded to whole chunks of 16
