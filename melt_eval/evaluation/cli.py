@@ -132,7 +132,7 @@ def register(app: typer.Typer) -> None:
         from melt_eval.evaluation.tasks import GROUPS, SPECS
 
         rows = [
-            {"task": s.name, "problems": s.num_problems, "metrics": s.metrics, "samples": s.samples,
+            {"task": s.name, "problems": s.num_problems, "metrics": s.metric_names, "samples": s.samples,
              "max_new_tokens": s.max_new_tokens, "source": s.hf_repo or "built in", "note": s.note}
             for s in SPECS.values()
         ]

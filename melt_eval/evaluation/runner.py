@@ -8,7 +8,7 @@
 
 LightEval 0.13 offline: its Registry imports every built-in task module and two of them reach the
 network at import, and its dataset loader only knows the Hub. `lighteval_scope` narrows the
-registry to melt-eval's TASKS_TABLE and hands LightEval the rows the harness loaded (Hub, a
+registry to melt-eval's task configs and hands LightEval the rows the harness loaded (Hub, a
 `--data-dir` file or the built-in generator) for the duration of a run; site-packages is untouched.
 """
 
@@ -35,7 +35,7 @@ from melt_eval.evaluation.lighteval_model import (
     VllmBackend,
     problem_key,
 )
-from melt_eval.evaluation.tasks import SPECS, TaskSpec, expand, lighteval_metrics, metric_name, task_config
+from melt_eval.evaluation.tasks import SPECS, TaskSpec, expand, metric_name, task_config
 from melt_eval.files import DirLock, clear_directory, write_json_atomic
 from melt_eval.generation.options import InferenceOptions, Sampling
 
@@ -124,8 +124,8 @@ def _num(x):
 
 
 def _details(spec: TaskSpec, details) -> list[dict]:
-    """Per problem: every completion with its extracted answer and whether it is correct."""
-    fn = _scoring_fn(spec)
+    """Per problem: every completion with what the metric read from it and whether it is correct."""
+    fn = spec.metrics(spec.samples)[0].sample_level_fn  # a PassAtK: its per-sample scorer is LightEval's
     out = []
     for d in details:
         doc, response, metrics = d.doc, d.model_response, d.metric
@@ -134,37 +134,13 @@ def _details(spec: TaskSpec, details) -> list[dict]:
         for text in texts:
             # one sample: its pass@1 is its correctness (no second run of, say, HumanEval's tests)
             correct = next(iter(metrics.values())) > 0 if len(texts) == 1 else _correct(fn, doc, text)
-            rows.append({"text": text, "extracted": _extracted(spec, fn, doc, text), "correct": bool(correct)})
+            rows.append({"text": text, "extracted": spec.extract(doc, text, fn), "correct": bool(correct)})
         out.append({
             "index": (doc.specific or {}).get("index"), "id": (doc.specific or {}).get("id"),
             "gold": doc.get_golds()[0], "completions": rows,
             "metrics": {metric_name(k, spec): float(v) for k, v in metrics.items()},
         })
     return sorted(out, key=lambda r: (r["index"] is None, r["index"]))
-
-
-def _extracted(spec: TaskSpec, fn, doc, text: str) -> str | None:
-    """What the metric read from a completion: LightEval's own extraction (answer or letter), HLE's
-    final "Answer:" line, or the code HumanEval ran."""
-    if spec.kind == "code":
-        from melt_eval.evaluation.code import extract_code
-
-        return extract_code(text)
-    if spec.kind == "judge-free":
-        from melt_eval.evaluation.hle import final_answer
-
-        return final_answer(text)
-    from lighteval.metrics.utils.extractive_match_utils import extract_target_from_pred, get_extraction_regexes
-
-    matcher = fn.compute_score.__self__  # LightEval's MultilingualExtractiveMatchMetric
-    regexes = get_extraction_regexes(doc, matcher.pred_extraction_target, matcher.language)
-    found = extract_target_from_pred(fn.preprocess(text), regexes, matcher.fallback_mode, matcher.extraction_mode,
-                                     matcher.timeout_seconds)
-    return str(found[-1]) if found else None
-
-
-def _scoring_fn(spec: TaskSpec):
-    return lighteval_metrics(spec)[0].sample_level_fn  # a PassAtK: its per-sample scorer is LightEval's
 
 
 def _correct(fn, doc, text: str) -> float:
