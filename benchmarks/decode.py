@@ -18,6 +18,7 @@ import time
 import torch
 
 from melt_eval.generation import generate
+from melt_eval.generation.options import InferenceOptions
 from melt_eval.modeling import LoopLMConfig, LoopLMForCausalLM, MeltForCausalLM
 
 
@@ -42,7 +43,8 @@ def measure(model, context: int, new: int, batch: int, device) -> dict:
             torch.cuda.synchronize()
         stamps.append(time.perf_counter())
 
-    result = generate(model, [prompt], n=batch, temperature=0, max_new_tokens=new, prefill_chunk_size=context, callback=tick)
+    result = generate(model, [prompt], InferenceOptions(prefill_chunk=context), n=batch, temperature=0, max_new_tokens=new,
+                      callback=tick)
     decode_steps = len(stamps) - 1
     elapsed = stamps[-1] - stamps[0]
     return {"tokens_per_s": decode_steps * batch / elapsed, "cache_bytes": result.peak_cache_bytes}

@@ -70,12 +70,14 @@ def run_model(model_dir: str, *, prompt: int, new: int, requests: int | None, bu
 
     from vllm import SamplingParams
 
+    from melt_eval.generation.options import InferenceOptions
     from melt_eval.generation.vllm_backend import VllmGenerator
 
+    options = InferenceOptions(prefill_chunk=prefill_chunk)
     seq_len = prompt + new
     # First engine: read the cache vLLM allocates under the budget, to size the batch.
-    with VllmGenerator(model_dir, dtype=dtype, kv_cache_bytes=budget, max_model_len=seq_len, max_num_seqs=1,
-                       prefill_chunk_size=prefill_chunk) as probe:
+    with VllmGenerator(model_dir, options, dtype=dtype, kv_cache_bytes=budget, max_model_len=seq_len,
+                       max_num_seqs=1) as probe:
         kv = probe.kv_cache_info()
     blocks_per_seq = math.ceil(seq_len / kv["block_size"])
     fit = (kv["num_blocks"] - 1) // blocks_per_seq  # one block is vLLM's null block
@@ -83,8 +85,8 @@ def run_model(model_dir: str, *, prompt: int, new: int, requests: int | None, bu
     rng = random.Random(0)
     prompts = [{"prompt_token_ids": [rng.randrange(vocab) for _ in range(prompt)]} for _ in range(requests)]
     params = SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True, detokenize=False)
-    with VllmGenerator(model_dir, dtype=dtype, kv_cache_bytes=budget, max_model_len=seq_len, max_num_seqs=fit,
-                       prefill_chunk_size=prefill_chunk) as gen:
+    with VllmGenerator(model_dir, options, dtype=dtype, kv_cache_bytes=budget, max_model_len=seq_len,
+                       max_num_seqs=fit) as gen:
         gen.llm.generate(prompts[: min(4, requests)], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True),
                          use_tqdm=False)  # warm-up
         start = time.perf_counter()

@@ -185,8 +185,9 @@ def train_run(run: TrainRun, runs_dir: Path, progress: bool = True) -> Path:
 def evaluate_once(model: str, results_dir: Path, name: str, tasks: str, *, evaluated: dict, eval_options: dict | None = None,
                   backend: str = "native", progress: bool = True, **eval_kwargs) -> list[dict]:
     """`run_tasks` into `results_dir`, copying the results of the same model and options evaluated earlier."""
-    from melt_eval.evaluation import run_tasks
+    from melt_eval.evaluation import BackendSettings, RunPaths, run_tasks
     from melt_eval.evaluation.tasks import expand
+    from melt_eval.generation.options import InferenceOptions
 
     eval_options = eval_options or {}
     # options left at their defaults (None/False) compute the same thing as options left out
@@ -199,8 +200,10 @@ def evaluate_once(model: str, results_dir: Path, name: str, tasks: str, *, evalu
                 data = json.loads((dst / "results.json").read_text())
                 data["model"] = name
                 (dst / "results.json").write_text(json.dumps(data, indent=2) + "\n")
-    results = run_tasks(tasks, model, results_dir=results_dir, backend=backend, progress=progress, name=name,
-                        **eval_options, **eval_kwargs)
+    flags = {**eval_options, **eval_kwargs}
+    max_problems = flags.pop("max_problems", None)
+    results = run_tasks(tasks, model, InferenceOptions.from_flags(**flags), RunPaths(results_dir=results_dir, name=name),
+                        backend=BackendSettings(kind=backend), max_problems=max_problems, progress=progress)
     evaluated.setdefault(key, results_dir)
     return results
 

@@ -113,10 +113,14 @@ def _run_demo(output: Path, quick: bool, progress: bool, seed: int, threads: int
         ablations.evaluate_once(model, results / name, name, TASK, evaluated=evaluated, progress=progress, **ev)
         for loops in size.loops:
             if loops != 4:  # T = 4 is the main result
-                from melt_eval.evaluation import run_tasks
+                from melt_eval.evaluation import RunPaths, run_tasks
+                from melt_eval.generation.options import InferenceOptions
 
-                run_tasks(TASK, model, results_dir=results / "loops" / f"{name}-T{loops}", name=name, loops=loops,
-                          progress=progress, **ev)
+                flags = dict(ev, loops=loops)
+                max_problems = flags.pop("max_problems", None)
+                run_tasks(TASK, model, InferenceOptions.from_flags(**flags),
+                          RunPaths(results_dir=results / "loops" / f"{name}-T{loops}", name=name),
+                          max_problems=max_problems, progress=progress)
 
     say("report", "[4/4] the report")
     from melt_eval.report.claims import paper_claims

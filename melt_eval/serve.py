@@ -46,6 +46,7 @@ def serve_command(model: str, *, host: str | None = None, port: int = 8000, serv
                   tensor_parallel_size: int | None = None, data_parallel_size: int | None = None,
                   extra: list[str] | None = None, on_cpu: bool | None = None) -> list[str]:
     """The vLLM server command line for `model` (registry name or checkpoint directory)."""
+    from melt_eval.generation.options import check_kv_sharing
     from melt_eval.modeling.loading import checkpoint_model_type
     from melt_eval.registry import MODELS, resolve_model_dir
     from melt_eval.vllm_plugin import KV_SHARING_KEY, PREFILL_CHUNK_KEY
@@ -55,8 +56,7 @@ def serve_command(model: str, *, host: str | None = None, port: int = 8000, serv
     looped = model_type in ("ouro", "melt")
     if (loops is not None or kv_sharing or prefill_chunk is not None) and not looped:
         raise UserError("--loops, --kv-sharing and --prefill-chunk apply to LoopLM (Ouro) and MELT checkpoints only")
-    if kv_sharing not in (None, "first", "last"):
-        raise UserError(f"--kv-sharing must be first or last, got {kv_sharing!r}")
+    check_kv_sharing(kv_sharing)
     if kv_sharing and model_type != "ouro":
         raise UserError("--kv-sharing applies to LoopLM (Ouro) checkpoints only; MELT always shares its KV cache")
     if prefill_chunk is not None and model_type != "melt" and not kv_sharing:

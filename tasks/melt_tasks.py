@@ -8,4 +8,6 @@ built-in task's name); `melt_mmlu_redux` runs all 57 subjects. The definitions l
 same prompt functions and metrics through LightEval's Pipeline.
 """
 
-from melt_eval.evaluation.tasks import TASKS_TABLE  # noqa: F401
+from melt_eval.evaluation.tasks import lighteval_cli_table
+
+TASKS_TABLE = lighteval_cli_table()  # built when LightEval loads this file, not when melt-eval imports its tasks

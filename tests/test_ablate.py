@@ -78,12 +78,12 @@ def test_a_checkpoint_evaluated_once_is_copied_not_rerun(tmp_path, monkeypatch):
 
     generated = []
 
-    def fake_run_tasks(tasks, model, *, results_dir, name, **kwargs):
-        out = results_dir / tasks / "results.json"
+    def fake_run_tasks(tasks, model, options, paths, **kwargs):
+        out = paths.results_dir / tasks / "results.json"
         if not out.exists():  # run_tasks skips a finished task
-            generated.append(name)
+            generated.append(paths.name)
             out.parent.mkdir(parents=True)
-            out.write_text(json.dumps({"model": name, "finished": True}))
+            out.write_text(json.dumps({"model": paths.name, "finished": True}))
         return [json.loads(out.read_text())]
 
     monkeypatch.setattr(evaluation, "run_tasks", fake_run_tasks)

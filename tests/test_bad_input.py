@@ -7,7 +7,8 @@ import shutil
 
 import pytest
 
-from melt_eval.evaluation import run_tasks
+from melt_eval.evaluation import RunPaths, run_tasks
+from melt_eval.generation.options import InferenceOptions, Sampling
 
 from helpers import main_exit_code as _main
 
@@ -143,7 +144,8 @@ def test_bad_options(tmp_path, capsys, args, message):
 def finished_run(tmp_path_factory):
     """One small run, finished; tests copy it."""
     out = tmp_path_factory.mktemp("run")
-    run_tasks("synthetic", "tiny-random-ouro", output=out, samples=2, max_problems=3, max_new_tokens=4, progress=False)
+    run_tasks("synthetic", "tiny-random-ouro", InferenceOptions(sampling=Sampling(samples=2, max_new_tokens=4)),
+              RunPaths(output=out), max_problems=3, progress=False)
     return out / "tiny-random-ouro" / "synthetic"
 
 

@@ -97,11 +97,14 @@ def test_full_demo_teacher_reaches_half_pass_at_1(tmp_path):
     """The full demo's teacher, trained by its recipe and evaluated as the demo evaluates it, answers at
     least half of the test problems per sample (pass@1 >= 0.5): the demo's numbers rest on it (~5 min)."""
     from melt_eval import ablations, demo
-    from melt_eval.evaluation import run_tasks
+    from melt_eval.evaluation import RunPaths, run_tasks
+    from melt_eval.generation.options import InferenceOptions
 
     teacher = ablations.train_run(demo.teacher_run(demo.FULL), tmp_path / "runs", progress=False)
-    [result] = run_tasks(demo.TASK, str(teacher), results_dir=tmp_path / "results", progress=False,
-                         **demo.eval_settings(demo.FULL))
+    flags = demo.eval_settings(demo.FULL)
+    max_problems = flags.pop("max_problems")
+    [result] = run_tasks(demo.TASK, str(teacher), InferenceOptions.from_flags(**flags),
+                         RunPaths(results_dir=tmp_path / "results"), max_problems=max_problems, progress=False)
     assert result["metrics"]["pass@1"]["value"] >= 0.5, result["metrics"]
 
 

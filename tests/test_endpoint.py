@@ -16,10 +16,12 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from melt_eval.errors import UserError
-from melt_eval.evaluation import run_tasks
+from melt_eval.evaluation import BackendSettings, RunPaths, run_tasks
 from melt_eval.generation.endpoint import Endpoint, parse_base_urls
+from melt_eval.generation.options import InferenceOptions, Sampling
 
-TINY = dict(samples=2, max_problems=4, max_new_tokens=4, progress=False)
+TINY_OPTIONS = InferenceOptions(sampling=Sampling(samples=2, max_new_tokens=4))
+TINY = dict(max_problems=4, progress=False)
 
 
 class FakeServer:
@@ -183,45 +185,48 @@ def test_replicas_must_serve_one_model(fake):
 def test_run_records_the_server_and_resumes_without_asking_again(fake, tmp_path):
     """A failure mid-run keeps every finished problem; the re-run asks only for the others."""
     fake.fail_prompt_after = 2
-    opts = dict(output=tmp_path, backend="endpoint", base_url=fake.url, max_concurrency=1, **TINY)
+    args = ("synthetic", "tiny-random-melt", TINY_OPTIONS, RunPaths(output=tmp_path))
+    opts = dict(backend=BackendSettings(kind="endpoint", base_url=fake.url, max_concurrency=1), **TINY)
     with pytest.raises(UserError, match="maximum context length"):
-        run_tasks("synthetic", "tiny-random-melt", **opts)
+        run_tasks(*args, **opts)
     done = (tmp_path / "tiny-random-melt" / "synthetic" / "completions.jsonl").read_text().splitlines()
     assert len(done) == 2
     first = fake.prompts()[:2]
     fake.fail_prompt_after, fake.requests = None, []
-    [result] = run_tasks("synthetic", "tiny-random-melt", **opts)
+    [result] = run_tasks(*args, **opts)
     assert len(fake.requests) == 2 and not set(fake.prompts()) & set(first)
     assert result["finished"] and result["num_problems"] == 4 and result["generated_tokens"] == 4 * 2 * 2
     assert result["settings"]["backend"] == "endpoint" and result["settings"]["served_model"] == "fake-model"
     assert result["endpoint"]["vllm_version"] == "0.32.0-fake" and result["endpoint"]["base_urls"] == [fake.url + "/v1"]
     assert {r["seed"] for r in fake.requests} and all(r["temperature"] == 1.0 and r["top_p"] == 0.7 for r in fake.requests)
     fake.requests = []
-    run_tasks("synthetic", "tiny-random-melt", **opts)  # finished: nothing is asked
+    run_tasks(*args, **opts)  # finished: nothing is asked
     assert fake.requests == []
 
 
 def test_seeds_are_per_problem_as_for_local_backends(fake, tmp_path):
     from melt_eval.evaluation.lighteval_model import problem_seed
 
-    run_tasks("synthetic", "tiny-random-melt", output=tmp_path / "a", backend="endpoint", base_url=fake.url,
-              seed=3, **TINY)
+    run_tasks("synthetic", "tiny-random-melt", InferenceOptions(sampling=Sampling(samples=2, max_new_tokens=4, seed=3)),
+              RunPaths(output=tmp_path / "a"), backend=BackendSettings(kind="endpoint", base_url=fake.url), **TINY)
     seeds = sorted(r["seed"] for r in fake.requests)
     keys = [json.loads(line)["key"] for line in
             (tmp_path / "a" / "tiny-random-melt" / "synthetic" / "completions.jsonl").read_text().splitlines()]
     assert seeds == sorted(problem_seed(3, k) for k in keys)
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    (dict(backend="endpoint"), "--base-url"),
-    (dict(backend="native", base_url="http://x:1"), "--base-url"),
-    (dict(backend="endpoint", base_url="http://x:1", loops=2), "server's settings"),
-    (dict(backend="endpoint", base_url="http://x:1", engine={"dtype": "bfloat16"}), "melt-eval serve"),
-    (dict(backend="native", engine={"tensor_parallel_size": 2}), "--backend vllm"),
+@pytest.mark.parametrize("backend, loops, message", [
+    (dict(kind="endpoint"), None, "--base-url"),
+    (dict(kind="native", base_url="http://x:1"), None, "--base-url"),
+    (dict(kind="endpoint", base_url="http://x:1"), 2, "server's settings"),
+    (dict(kind="endpoint", base_url="http://x:1", engine={"dtype": "bfloat16"}), None, "melt-eval serve"),
+    (dict(kind="native", engine={"tensor_parallel_size": 2}), None, "--backend vllm"),
 ])
-def test_bad_endpoint_options_are_user_errors(tmp_path, kwargs, message):
+def test_bad_endpoint_options_are_user_errors(tmp_path, backend, loops, message):
+    options = InferenceOptions(loops=loops, sampling=TINY_OPTIONS.sampling)
     with pytest.raises(UserError, match=message):
-        run_tasks("synthetic", "tiny-random-melt", output=tmp_path, **{**TINY, **kwargs})
+        run_tasks("synthetic", "tiny-random-melt", options, RunPaths(output=tmp_path), backend=BackendSettings(**backend),
+                  **TINY)
 
 
 def test_serve_command_translates_harness_options_to_vllm():
@@ -257,7 +262,8 @@ def test_serve_command_translates_harness_options_to_vllm():
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [12, 13, 14], [40, 41, 42, 43, 44]]
 ENGINE = dict(dtype="float32", max_model_len=256, kv_cache_bytes=8 << 20)
 SAMPLING = dict(n=3, temperature=0.8, top_p=0.9, max_tokens=6)
-RUN = dict(samples=2, max_problems=6, max_new_tokens=6, progress=False, temperature=0.8, top_p=0.9)
+RUN_OPTIONS = InferenceOptions(sampling=Sampling(samples=2, max_new_tokens=6, temperature=0.8, top_p=0.9))
+RUN = dict(max_problems=6, progress=False)
 
 
 def _free_port() -> int:
@@ -348,8 +354,8 @@ def _server_worker(out) -> None:
         greedy = gen.generate(PROMPTS, n=1, temperature=0.0, max_new_tokens=6)
         sampled = gen.generate(PROMPTS, n=3, temperature=0.8, top_p=0.9, max_new_tokens=6, seed=seeds)
         res["inprocess"] = {"greedy": [s[0] for s in greedy.sequences], "sampled": sampled.sequences}
-    [res["inprocess_result"]] = run_tasks("synthetic", "tiny-random-melt", output=out / "inprocess", backend="vllm",
-                                          engine=dict(ENGINE), **RUN)
+    [res["inprocess_result"]] = run_tasks("synthetic", "tiny-random-melt", RUN_OPTIONS, RunPaths(output=out / "inprocess"),
+                                          backend=BackendSettings(kind="vllm", engine=dict(ENGINE)), **RUN)
     model, tok = load_model("tiny-random-melt")
     native = generate(model, PROMPTS, temperature=0.0, max_new_tokens=6, eos_token_id=tok.eos_token_id)
     res["native_greedy"] = [s[0] for s in native.sequences]
@@ -373,8 +379,9 @@ def _server_worker(out) -> None:
         raw = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json={
             "model": res["info"]["served_model"], "prompt": PROMPTS[0], "n": 2, "temperature": 0.0, "max_tokens": 2})
         res["raw_greedy_n2_status"] = raw.status_code
-        [result] = run_tasks("synthetic", "tiny-random-melt", output=out / "endpoint", backend="endpoint",
-                             base_url=f"http://127.0.0.1:{port}", max_concurrency=4, **RUN)
+        [result] = run_tasks("synthetic", "tiny-random-melt", RUN_OPTIONS, RunPaths(output=out / "endpoint"),
+                             backend=BackendSettings(kind="endpoint", base_url=f"http://127.0.0.1:{port}",
+                                                     max_concurrency=4), **RUN)
         res["endpoint_result"] = result
     finally:
         _stop(proc)
@@ -383,8 +390,8 @@ def _server_worker(out) -> None:
     proc = _start_server("tiny-random-melt", port, out / "dp2.log", "--data-parallel-size", "2", "--", "--enforce-eager")
     try:
         _wait_ready([(proc, port)])
-        run_tasks("synthetic", "tiny-random-melt", output=out / "dp2", backend="endpoint",
-                  base_url=f"http://127.0.0.1:{port}", max_concurrency=4, **RUN)
+        run_tasks("synthetic", "tiny-random-melt", RUN_OPTIONS, RunPaths(output=out / "dp2"),
+                  backend=BackendSettings(kind="endpoint", base_url=f"http://127.0.0.1:{port}", max_concurrency=4), **RUN)
         res["dp_engine_requests"] = _served_requests(port, per_engine=True)
     finally:
         _stop(proc)
@@ -394,8 +401,9 @@ def _server_worker(out) -> None:
              for i, p in enumerate(ports)]
     try:
         _wait_ready(list(zip(procs, ports)))
-        run_tasks("synthetic", "tiny-random-melt", output=out / "replicas", backend="endpoint",
-                  base_url=",".join(f"http://127.0.0.1:{p}" for p in ports), max_concurrency=4, **RUN)
+        run_tasks("synthetic", "tiny-random-melt", RUN_OPTIONS, RunPaths(output=out / "replicas"),
+                  backend=BackendSettings(kind="endpoint", base_url=",".join(f"http://127.0.0.1:{p}" for p in ports),
+                                          max_concurrency=4), **RUN)
         res["replica_requests"] = [_served_requests(p) for p in ports]
     finally:
         for proc in procs:
@@ -464,7 +472,7 @@ def test_data_parallel_engines_share_the_work_with_the_same_results(served):
     assert served["completions"]["dp2"] == served["completions"]["inprocess"]
     engines = served["dp_engine_requests"]
     assert len(engines) == 2 and all(n >= 1 for n in engines.values())
-    assert sum(engines.values()) == RUN["max_problems"] * RUN["samples"]
+    assert sum(engines.values()) == RUN["max_problems"] * RUN_OPTIONS.sampling.samples
 
 
 @pytest.mark.slow
@@ -473,7 +481,7 @@ def test_two_replicas_share_the_work_with_the_same_results(served):
     assert served["completions"]["replicas"] == served["completions"]["inprocess"]
     # vLLM counts each of a request's n samples as a finished request
     assert all(n >= 1 for n in served["replica_requests"])
-    assert sum(served["replica_requests"]) == RUN["max_problems"] * RUN["samples"]
+    assert sum(served["replica_requests"]) == RUN["max_problems"] * RUN_OPTIONS.sampling.samples
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ from melt_eval.generation.engine import (
     parse_bytes,
     plan_waves,
 )
+from melt_eval.generation.options import InferenceOptions
 from melt_eval.modeling import LoopLMConfig, LoopLMForCausalLM, MeltConfig, MeltForCausalLM
 from melt_eval.modeling.tiny import build_tokenizer, make_tiny_looplm
 
@@ -50,13 +51,13 @@ VARIANTS = {  # model fixture, kv_sharing, share_prompt
 def test_waves_give_the_same_samples_as_one_wave(request, variant):
     fixture, kv_sharing, share_prompt = VARIANTS[variant]
     model = request.getfixturevalue(fixture)
-    kw = dict(n=3, temperature=1.0, top_p=0.9, max_new_tokens=5, seed=[5, 6, 7], kv_sharing=kv_sharing,
-              share_prompt=share_prompt)
-    whole = generate(model, PROMPTS, max_cache_bytes=1 << 40, **kw)
+    options = InferenceOptions(kv_sharing=kv_sharing, share_prompt=share_prompt)
+    kw = dict(n=3, temperature=1.0, top_p=0.9, max_new_tokens=5, seed=[5, 6, 7])
+    whole = generate(model, PROMPTS, options, max_cache_bytes=1 << 40, **kw)
     per_row = cache_bytes_per_row(model, 5, 5, kv_sharing=kv_sharing, share_prompt=share_prompt)
     assert whole.peak_cache_bytes == 9 * per_row  # the formula is what _Caches allocates, one wave of 9 rows
     # 2 rows a wave: 5 waves, every prompt's samples split between two waves
-    waves = generate(model, PROMPTS, max_cache_bytes=2 * per_row + 1, **kw)
+    waves = generate(model, PROMPTS, options, max_cache_bytes=2 * per_row + 1, **kw)
     assert waves.sequences == whole.sequences
     # a different batch size may change the last bits of a matmul, never a sampled token
     assert [[pytest.approx(lp, abs=1e-4) for lp in per] for per in waves.logprobs] == whole.logprobs
@@ -64,7 +65,7 @@ def test_waves_give_the_same_samples_as_one_wave(request, variant):
     assert waves.peak_cache_bytes == 2 * per_row
     assert len({tuple(s) for per in whole.sequences for s in per}) > 3  # rows really differ
     if variant == "melt":
-        one = generate(model, PROMPTS, max_cache_bytes=per_row, **kw)  # one row at a time
+        one = generate(model, PROMPTS, options, max_cache_bytes=per_row, **kw)  # one row at a time
         assert one.sequences == whole.sequences and one.peak_cache_bytes == per_row
 
 
@@ -210,12 +211,15 @@ def test_run_refuses_impossible_requests_in_one_line_before_writing(tmp_path, ca
 
 
 def test_run_with_a_tiny_budget_matches_the_default(tmp_path):
-    from melt_eval.evaluation import run_tasks
+    from melt_eval.evaluation import BackendSettings, RunPaths, run_tasks
+    from melt_eval.generation.options import InferenceOptions, Sampling
 
-    kw = dict(samples=2, max_new_tokens=8, max_problems=2, progress=False)
-    [free] = run_tasks("synthetic", "tiny-random-melt", output=tmp_path / "a", **kw)
+    options = InferenceOptions(sampling=Sampling(samples=2, max_new_tokens=8))
+    kw = dict(max_problems=2, progress=False)
+    [free] = run_tasks("synthetic", "tiny-random-melt", options, RunPaths(output=tmp_path / "a"), **kw)
     per_row = cache_bytes_per_row(_tiny_melt(), 64, 8)  # the prompts are shorter: one or two rows a wave
-    [tight] = run_tasks("synthetic", "tiny-random-melt", output=tmp_path / "b", max_cache_bytes=per_row, **kw)
+    [tight] = run_tasks("synthetic", "tiny-random-melt", options, RunPaths(output=tmp_path / "b"),
+                       backend=BackendSettings(max_cache_bytes=per_row), **kw)
     a = (tmp_path / "a" / "tiny-random-melt" / "synthetic" / "details.jsonl").read_text()
     b = (tmp_path / "b" / "tiny-random-melt" / "synthetic" / "details.jsonl").read_text()
     assert a == b and free["metrics"] == tight["metrics"]

@@ -388,13 +388,14 @@ def test_score_refuses_humaneval_without_the_sandbox(tmp_path):
 
 
 def test_run_on_humaneval_records_the_sandbox(tmp_path):
-    from melt_eval.evaluation import run_tasks
+    from melt_eval.evaluation import RunPaths, run_tasks
+    from melt_eval.generation.options import InferenceOptions, Sampling
 
     data = tmp_path / "data"
     data.mkdir()
     (data / "humaneval.jsonl").write_text(json.dumps({**PROBLEM, "task_id": "HumanEval/0"}) + "\n")
-    [result] = run_tasks("humaneval", "tiny-random-melt", output=tmp_path / "out", data_dir=data, max_new_tokens=4,
-                         progress=False)
+    [result] = run_tasks("humaneval", "tiny-random-melt", InferenceOptions(sampling=Sampling(max_new_tokens=4)),
+                         RunPaths(output=tmp_path / "out", data_dir=data), progress=False)
     assert result["finished"] and set(result["metrics"]) == {"accuracy"} and result["num_problems"] == 1
     assert {name: result["sandbox"][name] for name in LAYERS} == {name: True for name in LAYERS}
     assert result["sandbox"]["unsafe_local_exec"] is False

@@ -10,13 +10,24 @@ from typer.testing import CliRunner
 
 from melt_eval.cli import app
 from melt_eval.errors import UserError
-from melt_eval.evaluation import lighteval_model, run_tasks, score_completions
+from melt_eval.evaluation import BackendSettings, RunPaths, lighteval_model, run_tasks, score_completions
+from melt_eval.generation.options import InferenceOptions, Sampling
 from melt_eval.evaluation.tasks import SYNTHETIC_TEST
 from melt_eval.training import synthetic
 
 from helpers import main_exit_code as _main
 
-TINY = dict(samples=2, max_problems=4, max_new_tokens=4, progress=False)
+QUICK = dict(max_problems=4, progress=False)
+
+
+def tiny(**sampling) -> InferenceOptions:
+    """Two samples of four tokens per problem (other sampling values as given)."""
+    return InferenceOptions(sampling=Sampling(**{"samples": 2, "max_new_tokens": 4, **sampling}))
+
+
+def out(path) -> RunPaths:
+    return RunPaths(output=path)
+
 runner = CliRunner()
 
 
@@ -82,7 +93,7 @@ def test_score_bad_completion_lines(tmp_path, line, message):
 
 
 def test_run_writes_results_and_details(tmp_path):
-    [result] = run_tasks("synthetic", "tiny-random-melt", output=tmp_path, seed=3, **TINY)
+    [result] = run_tasks("synthetic", "tiny-random-melt", tiny(seed=3), out(tmp_path), **QUICK)
     task_dir = tmp_path / "tiny-random-melt" / "synthetic"
     on_disk = json.loads((task_dir / "results.json").read_text())
     assert on_disk == result and result["finished"] and result["num_problems"] == 4
@@ -112,26 +123,26 @@ def test_interrupted_run_resumes_without_regenerating(tmp_path, monkeypatch):
     monkeypatch.setattr(lighteval_model.NativeBackend, "generate", counting)
     fail_after = 2
     with pytest.raises(_Interrupt):
-        run_tasks("synthetic", "tiny-random-ouro", output=tmp_path / "a", **TINY)
+        run_tasks("synthetic", "tiny-random-ouro", tiny(), out(tmp_path / "a"), **QUICK)
     task_dir = tmp_path / "a" / "tiny-random-ouro" / "synthetic"
     assert not (task_dir / "results.json").exists()  # nothing claims the run finished
     assert len((task_dir / "completions.jsonl").read_text().splitlines()) == 2
 
     calls.clear()
     fail_after = None
-    [resumed] = run_tasks("synthetic", "tiny-random-ouro", output=tmp_path / "a", **TINY)
+    [resumed] = run_tasks("synthetic", "tiny-random-ouro", tiny(), out(tmp_path / "a"), **QUICK)
     assert calls == [1, 1]  # only the two unfinished problems
     calls.clear()
-    [fresh] = run_tasks("synthetic", "tiny-random-ouro", output=tmp_path / "b", **TINY)
+    [fresh] = run_tasks("synthetic", "tiny-random-ouro", tiny(), out(tmp_path / "b"), **QUICK)
     assert resumed["metrics"] == fresh["metrics"]  # per-problem seeds: same samples either way
     a = (task_dir / "details.jsonl").read_text()
     b = (tmp_path / "b" / "tiny-random-ouro" / "synthetic" / "details.jsonl").read_text()
     assert a == b
 
     calls.clear()
-    run_tasks("synthetic", "tiny-random-ouro", output=tmp_path / "a", **TINY)
+    run_tasks("synthetic", "tiny-random-ouro", tiny(), out(tmp_path / "a"), **QUICK)
     assert calls == []  # finished: not recomputed
-    run_tasks("synthetic", "tiny-random-ouro", output=tmp_path / "a", force=True, **TINY)
+    run_tasks("synthetic", "tiny-random-ouro", tiny(), out(tmp_path / "a"), force=True, **QUICK)
     assert sum(calls) == 4
 
 
@@ -140,7 +151,7 @@ def test_other_settings_do_not_mix_into_a_partial_run(tmp_path):
     task_dir.mkdir(parents=True)
     (task_dir / "run.json").write_text(json.dumps({"model": "tiny-random-melt", "settings": {"samples": 99}}))
     with pytest.raises(UserError, match="other settings"):
-        run_tasks("synthetic", "tiny-random-melt", output=tmp_path, **TINY)
+        run_tasks("synthetic", "tiny-random-melt", tiny(), out(tmp_path), **QUICK)
 
 
 def test_hf_causal_lm_runs_through_transformers_generate(tmp_path):
@@ -186,15 +197,15 @@ def test_tasks_json_lists_the_protocol():
 
 
 def test_finished_run_with_other_settings_is_refused_not_reused(tmp_path):
-    run_tasks("synthetic", "tiny-random-melt", output=tmp_path, **TINY)
+    run_tasks("synthetic", "tiny-random-melt", tiny(), out(tmp_path), **QUICK)
     with pytest.raises(UserError, match="finished run with other settings.*samples"):
-        run_tasks("synthetic", "tiny-random-melt", output=tmp_path, **{**TINY, "samples": 3})
-    [again] = run_tasks("synthetic", "tiny-random-melt", output=tmp_path, **{**TINY, "samples": 3}, force=True)
+        run_tasks("synthetic", "tiny-random-melt", tiny(samples=3), out(tmp_path), **QUICK)
+    [again] = run_tasks("synthetic", "tiny-random-melt", tiny(samples=3), out(tmp_path), force=True, **QUICK)
     assert again["settings"]["samples"] == 3
 
 
 def test_rescoring_a_runs_details_gives_the_runs_metrics(tmp_path):
-    [result] = run_tasks("synthetic", "tiny-random-ouro", output=tmp_path, **{**TINY, "samples": 10, "max_problems": 3})
+    [result] = run_tasks("synthetic", "tiny-random-ouro", tiny(samples=10), out(tmp_path), max_problems=3, progress=False)
     details = tmp_path / "tiny-random-ouro" / "synthetic" / "details.jsonl"
     rescored = score_completions("synthetic", details)
     assert rescored["metrics"] == result["metrics"] and set(result["metrics"]) == {"pass@1", "pass@10"}
@@ -211,7 +222,8 @@ def test_cut_checkpoint_line_is_dropped_and_later_lines_survive(tmp_path):
 
 KILL_SCRIPT = """
 import os, signal, sys
-from melt_eval.evaluation import lighteval_model, run_tasks
+from melt_eval.evaluation import RunPaths, lighteval_model, run_tasks
+from melt_eval.generation.options import InferenceOptions, Sampling
 
 real, calls = lighteval_model.NativeBackend.generate, []
 def generate(self, *args):
@@ -221,7 +233,8 @@ def generate(self, *args):
     return real(self, *args)
 lighteval_model.NativeBackend.generate = generate
 lighteval_model.NativeBackend.problems_per_batch = lambda self, samples: 1
-run_tasks("synthetic", "tiny-random-ouro", output=sys.argv[1], samples=2, max_problems=4, max_new_tokens=4, progress=False)
+run_tasks("synthetic", "tiny-random-ouro", InferenceOptions(sampling=Sampling(samples=2, max_new_tokens=4)),
+          RunPaths(output=sys.argv[1]), max_problems=4, progress=False)
 """
 
 
@@ -238,9 +251,9 @@ def test_run_killed_with_sigkill_resumes_to_the_same_numbers(tmp_path, monkeypat
     calls = []
     real = lighteval_model.NativeBackend.generate
     monkeypatch.setattr(lighteval_model.NativeBackend, "generate", lambda self, p, *a: calls.append(len(p)) or real(self, p, *a))
-    [resumed] = run_tasks("synthetic", "tiny-random-ouro", output=tmp_path / "a", **TINY)
+    [resumed] = run_tasks("synthetic", "tiny-random-ouro", tiny(), out(tmp_path / "a"), **QUICK)
     assert sum(calls) == 2  # the two problems that were not finished
-    [fresh] = run_tasks("synthetic", "tiny-random-ouro", output=tmp_path / "b", **TINY)
+    [fresh] = run_tasks("synthetic", "tiny-random-ouro", tiny(), out(tmp_path / "b"), **QUICK)
     assert resumed["metrics"] == fresh["metrics"]
     b = tmp_path / "b" / "tiny-random-ouro" / "synthetic"
     assert (task_dir / "details.jsonl").read_text() == (b / "details.jsonl").read_text()
@@ -289,7 +302,8 @@ def test_vllm_backend_runs_the_harness(tmp_path):
 
     if importlib.util.find_spec("vllm") is None or importlib.util.find_spec("melt_eval.generation.vllm_backend") is None:
         pytest.skip("vLLM or the harness's vLLM backend is not installed")
-    [result] = run_tasks("synthetic", "tiny-random-ouro", output=tmp_path, backend="vllm", **{**TINY, "max_problems": 3})
+    [result] = run_tasks("synthetic", "tiny-random-ouro", tiny(), out(tmp_path), backend=BackendSettings(kind="vllm"),
+                         max_problems=3, progress=False)
     assert result["finished"] and result["settings"]["backend"] == "vllm" and result["settings"]["loops"] == 4
     assert result["generated_tokens"] > 0 and result["peak_cache_bytes"] > 0
     details = (tmp_path / "tiny-random-ouro" / "synthetic" / "details.jsonl").read_text().splitlines()
@@ -303,6 +317,6 @@ def test_checkpoint_directory_runs_under_its_directory_name(tmp_path):
 
     ckpt = tmp_path / "my-llama"
     shutil.copytree(resolve_model_dir("tiny-random-llama"), ckpt)
-    [result] = run_tasks("synthetic", str(ckpt), output=tmp_path / "out", **{**TINY, "max_problems": 2})
+    [result] = run_tasks("synthetic", str(ckpt), tiny(), out(tmp_path / "out"), max_problems=2, progress=False)
     assert result["model"] == "my-llama" and result["model_path"] == str(ckpt)
     assert (tmp_path / "out" / "my-llama" / "synthetic" / "results.json").exists()

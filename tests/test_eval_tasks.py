@@ -86,12 +86,14 @@ def test_custom_tasks_module_loads_in_lighteval_registry_without_name_conflicts(
 def test_prompts_are_built_by_lightevals_prompt_manager_with_the_chat_template():
     """The model sees LightEval's prompt: the task's instruction (HLE's answer format) and the chat template."""
     from melt_eval.evaluation.hle import hle_prompt
-    from melt_eval.evaluation.lighteval_model import CompletionStore, HarnessModel, ReplayBackend, SamplingSettings
+    from melt_eval.evaluation.lighteval_model import CompletionStore, HarnessModel, ReplayBackend
+    from melt_eval.generation.options import InferenceOptions, Sampling
     from melt_eval.modeling.loading import load_tokenizer
     from melt_eval.registry import resolve_model_dir
 
     tok = load_tokenizer(resolve_model_dir("tiny-random-melt"))
-    model = HarnessModel("m", tok, ReplayBackend(), SamplingSettings(1, 1.0, 0.7, 8, 0), CompletionStore(Path("/nonexistent")))
+    model = HarnessModel("m", tok, ReplayBackend(), InferenceOptions(sampling=Sampling(1, 1.0, 0.7, 8, 0)),
+                         CompletionStore(Path("/nonexistent")))
     doc = hle_prompt({"id": "q", "question": "What is 2+2?", "answer": "4", "answer_type": "exactMatch", "image": ""})
     text = tok.decode(model.encode(doc))
     assert "Confidence:" in text and "What is 2+2?" in text

@@ -17,12 +17,15 @@ from typer.testing import CliRunner
 
 from melt_eval.cli import app
 from melt_eval.errors import UserError
-from melt_eval.evaluation import run_tasks
+from melt_eval.evaluation import RunPaths, run_tasks
+from melt_eval.generation.options import InferenceOptions, Sampling
 from melt_eval.files import LOCK_NAME, DirLock
 from melt_eval.training import load_recipe, run_recipe
 
 REPO = Path(__file__).resolve().parents[1]
-TINY_EVAL = dict(samples=1, max_problems=2, max_new_tokens=2, progress=False)
+ONE_SAMPLE = InferenceOptions(sampling=Sampling(samples=1, max_new_tokens=2))
+SEED_1 = InferenceOptions(sampling=Sampling(samples=1, max_new_tokens=2, seed=1))
+TINY_EVAL = dict(max_problems=2, progress=False)
 FAST_TRAIN = {"seq_len": 64, "micro_batch_size": 4, "batch_tokens": 256, "warmup_steps": 1, "max_steps": 1,
               "data": [{"source": "synthetic", "n": 100, "num_steps": 1}], "tensorboard": False}
 
@@ -95,20 +98,20 @@ def test_run_into_a_locked_task_directory_is_refused_even_with_force(tmp_path, h
     proc = holder(task_dir)
     # a second identical run while the first is writing: refused before writing anything
     with pytest.raises(UserError, match=re.escape(f"{task_dir} is being written by another evaluation (PID {proc.pid}")):
-        run_tasks("synthetic", "tiny-random-ouro", output=tmp_path, **TINY_EVAL)
+        run_tasks("synthetic", "tiny-random-ouro", ONE_SAMPLE, RunPaths(output=tmp_path), **TINY_EVAL)
     assert sorted(p.name for p in task_dir.iterdir()) == [LOCK_NAME]
     kill(proc)
-    [first] = run_tasks("synthetic", "tiny-random-ouro", output=tmp_path, **TINY_EVAL)  # stale lock taken over
+    [first] = run_tasks("synthetic", "tiny-random-ouro", ONE_SAMPLE, RunPaths(output=tmp_path), **TINY_EVAL)  # stale lock taken over
     assert first["finished"] and len((task_dir / "completions.jsonl").read_text().splitlines()) == 2
     assert not (task_dir / LOCK_NAME).exists()
 
     before = {p.name: p.read_bytes() for p in task_dir.iterdir() if p.is_file()}
     proc = holder(task_dir)
     with pytest.raises(UserError, match=f"PID {proc.pid}"):  # --force during another run
-        run_tasks("synthetic", "tiny-random-ouro", output=tmp_path, force=True, seed=1, **TINY_EVAL)
+        run_tasks("synthetic", "tiny-random-ouro", SEED_1, RunPaths(output=tmp_path), force=True, **TINY_EVAL)
     assert {p.name: p.read_bytes() for p in task_dir.iterdir() if p.is_file() and p.name != LOCK_NAME} == before
     kill(proc)
-    [forced] = run_tasks("synthetic", "tiny-random-ouro", output=tmp_path, force=True, seed=1, **TINY_EVAL)
+    [forced] = run_tasks("synthetic", "tiny-random-ouro", SEED_1, RunPaths(output=tmp_path), force=True, **TINY_EVAL)
     assert forced["settings"]["seed"] == 1 and len((task_dir / "completions.jsonl").read_text().splitlines()) == 2
 
 

@@ -9,6 +9,7 @@ from safetensors import safe_open
 
 from melt_eval.errors import UserError
 from melt_eval.generation import generate
+from melt_eval.generation.options import InferenceOptions
 from melt_eval.modeling import GATES, LoopLMConfig, LoopLMForCausalLM, MeltConfig, MeltForCausalLM, load_model
 from melt_eval.modeling.loading import load_looped
 from melt_eval.modeling.tiny import build_tokenizer, make_tiny_looplm
@@ -71,7 +72,7 @@ def test_chunked_prefill_follows_the_chunk_rule(looplm):
     """A prompt prefilled in chunks of C equals the teacher-forced forward with chunk_size=C."""
     model = melt(looplm, "elementwise")
     prompt = list(range(10, 23))
-    result = generate(model, [prompt], temperature=0, max_new_tokens=1, prefill_chunk_size=4)
+    result = generate(model, [prompt], InferenceOptions(prefill_chunk=4), temperature=0, max_new_tokens=1)
     logits = model(torch.tensor([prompt]), chunk_size=4).logits[0, -1]
     assert result.sequences[0][0] == [int(logits.argmax())]
     assert result.logprobs[0][0][0] == pytest.approx(float(torch.log_softmax(logits, -1).max().detach()), abs=ATOL)
@@ -92,7 +93,7 @@ def test_untrained_gates_equal_looplm_kv_sharing(looplm, ids, sharing):
     expected = looplm(ids, kv_sharing=sharing).logits
     torch.testing.assert_close(melt(looplm, sharing)(ids).logits, expected, atol=ATOL, rtol=0)
     prompt = ids[0, :5].tolist()
-    a = generate(looplm, [prompt], temperature=0, max_new_tokens=5, kv_sharing=sharing, share_prompt=True)
+    a = generate(looplm, [prompt], InferenceOptions(kv_sharing=sharing, share_prompt=True), temperature=0, max_new_tokens=5)
     b = generate(melt(looplm, sharing), [prompt], temperature=0, max_new_tokens=5)
     assert a.sequences == b.sequences
 
@@ -100,7 +101,7 @@ def test_untrained_gates_equal_looplm_kv_sharing(looplm, ids, sharing):
 def test_kv_sharing_with_prefill_keeps_ouro_prompt_cache(looplm):
     prompt = [4, 40, 44, 101, 7, 9]
     ouro = generate(looplm, [prompt], temperature=0, max_new_tokens=1)
-    shared = generate(looplm, [prompt], temperature=0, max_new_tokens=6, kv_sharing="last", share_prompt=False)
+    shared = generate(looplm, [prompt], InferenceOptions(kv_sharing="last"), temperature=0, max_new_tokens=6)
     # the first token comes from the prompt alone, which w/ prefill is exactly Ouro's
     assert shared.sequences[0][0][0] == ouro.sequences[0][0][0]
     cfg = looplm.config

@@ -20,15 +20,14 @@ import pytest
 LOGPROB_TOL = 1e-4  # float32: observed differences are ~1e-6 (different matmul shapes and orders)
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [12, 13, 14], [40, 41, 42, 43, 44]]
 MAX_NEW = 8
-# (case name, model key, VllmGenerator kwargs, native generate kwargs)
+# (case name, model key, InferenceOptions fields: the same options for vLLM and the native engine)
 GATES = ("elementwise", "scalar", "ema", "mean", "last", "first")
 CASES = (
-    [("ouro", "ouro", {}, {})]
-    + [(f"ouro-share-{s}", "ouro", {"kv_sharing": s, "share_prompt": True}, {"kv_sharing": s, "share_prompt": True})
-       for s in ("first", "last")]
-    + [(f"melt-{g}", f"melt-{g}", {}, {}) for g in GATES]
-    + [("melt-elementwise-chunk3", "melt-elementwise", {"prefill_chunk_size": 3}, {"prefill_chunk_size": 3}),
-       ("melt-elementwise-loops2", "melt-elementwise", {"loops": 2}, {"loops": 2})]
+    [("ouro", "ouro", {})]
+    + [(f"ouro-share-{s}", "ouro", {"kv_sharing": s, "share_prompt": True}) for s in ("first", "last")]
+    + [(f"melt-{g}", f"melt-{g}", {}) for g in GATES]
+    + [("melt-elementwise-chunk3", "melt-elementwise", {"prefill_chunk": 3}),
+       ("melt-elementwise-loops2", "melt-elementwise", {"loops": 2})]
 )
 
 # compiled engines (vllm-cpu: torch.compile with inductor, ~1.5 min each on 2 cores): one of each
@@ -61,17 +60,10 @@ def _build_models(root: Path) -> tuple[dict[str, str], dict]:
     return dirs, models
 
 
-def _native(model, kwargs: dict, eos: int) -> dict:
+def _native(model, options, eos: int) -> dict:
     from melt_eval.generation import generate
 
-    kwargs = dict(kwargs)
-    loops = model.config.total_ut_steps
-    model.config.total_ut_steps = kwargs.pop("loops", loops)
-    kwargs.setdefault("prefill_chunk_size", 1)
-    try:
-        res = generate(model, PROMPTS, temperature=0.0, max_new_tokens=MAX_NEW, eos_token_id=eos, **kwargs)
-    finally:
-        model.config.total_ut_steps = loops
+    res = generate(model, PROMPTS, options, temperature=0.0, max_new_tokens=MAX_NEW, eos_token_id=eos)
     return {"tokens": [s[0] for s in res.sequences], "logprobs": [s[0] for s in res.logprobs]}
 
 
@@ -88,6 +80,7 @@ def _registry_after_a_same_named_class() -> dict:
 
 
 def _compiled_worker(out_dir: Path) -> None:
+    from melt_eval.generation.options import InferenceOptions
     from melt_eval.generation.vllm_backend import VllmGenerator
     from melt_eval.modeling.loading import load_tokenizer
 
@@ -95,19 +88,21 @@ def _compiled_worker(out_dir: Path) -> None:
     eos = load_tokenizer(dirs["ouro"]).eos_token_id
     engine = dict(dtype="float32", max_model_len=128, kv_cache_bytes=8 << 20, max_num_seqs=8, enforce_eager=False)
     results: dict = {"cases": {}}
-    for name, key, vkw, nkw in CASES:
+    for name, key, fields in CASES:
+        options = InferenceOptions(**fields)
         if name not in COMPILED:
             continue
-        with VllmGenerator(dirs[key], **engine, **vkw) as gen:
+        with VllmGenerator(dirs[key], options, **engine) as gen:
             res = gen.generate(PROMPTS, n=1, temperature=0.0, max_new_tokens=MAX_NEW, stop_token_ids=[eos])
             case = {"vllm": {"tokens": [s[0] for s in res.sequences], "logprobs": [s[0] for s in res.logprobs]},
                     "engine": gen.engine_info()}
-        case["native"] = _native(models[key], nkw, eos)
+        case["native"] = _native(models[key], options, eos)
         results["cases"][name] = case
     (out_dir / "results.json").write_text(json.dumps(results))
 
 
 def _worker(out_dir: Path) -> None:
+    from melt_eval.generation.options import InferenceOptions
     from melt_eval.generation.vllm_backend import VllmGenerator, measure_kv
     from melt_eval.modeling.loading import load_tokenizer
 
@@ -115,8 +110,9 @@ def _worker(out_dir: Path) -> None:
     eos = load_tokenizer(dirs["ouro"]).eos_token_id
     engine = dict(dtype="float32", max_model_len=128, kv_cache_bytes=8 << 20, max_num_seqs=8)
     results: dict = {"cases": {}, "registry": _registry_after_a_same_named_class()}
-    for name, key, vkw, nkw in CASES:
-        with VllmGenerator(dirs[key], **engine, **vkw) as gen:
+    for name, key, fields in CASES:
+        options = InferenceOptions(**fields)
+        with VllmGenerator(dirs[key], options, **engine) as gen:
             res = gen.generate(PROMPTS, n=1, temperature=0.0, max_new_tokens=MAX_NEW, stop_token_ids=[eos])
             case = {
                 "vllm": {"tokens": [s[0] for s in res.sequences], "logprobs": [s[0] for s in res.logprobs]},
@@ -137,7 +133,7 @@ def _worker(out_dir: Path) -> None:
                 stopped = gen.generate(PROMPTS[:1], n=1, temperature=0.0, max_new_tokens=MAX_NEW, stop_token_ids=[stop])
                 results["stop"] = {"token": stop, "sequence": stopped.sequences[0][0],
                                    "finish": stopped.finish_reasons[0][0]}
-        case["native"] = _native(models[key], nkw, eos)
+        case["native"] = _native(models[key], options, eos)
         results["cases"][name] = case
     results["measure_kv"] = measure_kv(["tiny-random-melt", "tiny-random-ouro"], kv_cache_bytes=16 << 20,
                                        max_model_len=256)
@@ -202,7 +198,7 @@ def test_gates_are_really_different_models(vllm_results):
     assert all(lp != ouro for lp in logprobs.values())
 
 
-def test_prefill_chunk_size_is_melts_chunk_rule(vllm_results):
+def test_prefill_chunk_is_melts_chunk_rule(vllm_results):
     """C = 3 matches the native engine's C = 3 (above) and is not the exact C = 1 result."""
     c1 = vllm_results["cases"]["melt-elementwise"]["vllm"]["logprobs"]
     c3 = vllm_results["cases"]["melt-elementwise-chunk3"]["vllm"]["logprobs"]
@@ -292,14 +288,16 @@ def test_bad_arguments_are_user_errors():
     from melt_eval.errors import UserError
     from melt_eval.generation.vllm_backend import VllmGenerator
 
+    from melt_eval.generation.options import InferenceOptions
+
     with pytest.raises(UserError, match="LoopLM"):
-        VllmGenerator("tiny-random-melt", kv_sharing="last", share_prompt=True)
+        VllmGenerator("tiny-random-melt", InferenceOptions(kv_sharing="last", share_prompt=True))
     with pytest.raises(UserError, match="share-prompt"):
-        VllmGenerator("tiny-random-ouro", kv_sharing="last")
-    with pytest.raises(UserError, match="first or last"):
-        VllmGenerator("tiny-random-ouro", kv_sharing="middle", share_prompt=True)
+        VllmGenerator("tiny-random-ouro", InferenceOptions(kv_sharing="last"))
+    with pytest.raises(UserError, match="'first' or 'last'"):
+        VllmGenerator("tiny-random-ouro", InferenceOptions(kv_sharing="middle", share_prompt=True))
     with pytest.raises(UserError, match="loops"):
-        VllmGenerator("tiny-random-llama", loops=2)
+        VllmGenerator("tiny-random-llama", InferenceOptions(loops=2))
 
 
 if __name__ == "__main__":

@@ -64,21 +64,25 @@ def register(app: typer.Typer) -> None:
         tensor_parallel_size: Optional[int] = typer.Option(None, "--tensor-parallel-size", help="vLLM: GPUs per model."),
     ) -> None:
         """Evaluate a model with LightEval and the paper's protocol; resumable."""
-        from melt_eval.evaluation import run_tasks
+        from melt_eval.evaluation import BackendSettings, RunPaths, run_tasks
         from melt_eval.generation.engine import parse_bytes
+        from melt_eval.generation.options import InferenceOptions, Sampling
 
+        options = InferenceOptions(
+            loops=loops, kv_sharing=kv_sharing, share_prompt=share_prompt, prefill_chunk=prefill_chunk,
+            sampling=Sampling(samples=samples, temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens,
+                              seed=seed),
+        )
+        paths = RunPaths(output=output, name=name, data_dir=data_dir)
+        settings = BackendSettings(
+            kind=backend, max_cache_bytes=None if max_cache_bytes is None else parse_bytes(max_cache_bytes),
+            allow_beyond_max_positions=allow_beyond_max_positions, base_url=base_url, max_concurrency=max_concurrency,
+            engine=dict(dtype=dtype, max_model_len=max_model_len, gpu_memory_utilization=gpu_memory_utilization,
+                        kv_cache_bytes=kv_cache_bytes, tensor_parallel_size=tensor_parallel_size),
+        )
         try:
-            results = run_tasks(
-                tasks, model, output=output, backend=backend, samples=samples, temperature=temperature, top_p=top_p,
-                max_new_tokens=max_new_tokens, max_problems=max_problems, loops=loops, kv_sharing=kv_sharing,
-                share_prompt=share_prompt, prefill_chunk=prefill_chunk, data_dir=data_dir, seed=seed, force=force,
-                progress=progress, name=name, unsafe_local_exec=unsafe_local_exec,
-                max_cache_bytes=None if max_cache_bytes is None else parse_bytes(max_cache_bytes),
-                allow_beyond_max_positions=allow_beyond_max_positions,
-                base_url=base_url, max_concurrency=max_concurrency,
-                engine=dict(dtype=dtype, max_model_len=max_model_len, gpu_memory_utilization=gpu_memory_utilization,
-                            kv_cache_bytes=kv_cache_bytes, tensor_parallel_size=tensor_parallel_size),
-            )
+            results = run_tasks(tasks, model, options, paths, backend=settings, max_problems=max_problems, force=force,
+                                progress=progress, unsafe_local_exec=unsafe_local_exec)
         except KeyboardInterrupt:
             typer.secho("interrupted: finished problems are saved; run the same command again to continue",
                         fg=typer.colors.YELLOW, err=True)
@@ -128,7 +132,7 @@ def register(app: typer.Typer) -> None:
         from melt_eval.evaluation.tasks import GROUPS, SPECS
 
         rows = [
-            {"task": s.name, "problems": s.num_problems, "metrics": s.metrics, "samples": s.samples,
+            {"task": s.name, "problems": s.num_problems, "metrics": s.metric_names, "samples": s.samples,
              "max_new_tokens": s.max_new_tokens, "source": s.hf_repo or "built in", "note": s.note}
             for s in SPECS.values()
         ]

@@ -6,7 +6,7 @@ from pathlib import Path
 
 from melt_eval.errors import UserError
 from melt_eval.jsonio import read_json_lines
-from melt_eval.evaluation.tasks import MMLU_REDUX_SUBJECTS, SYNTHETIC_TEST, TaskSpec, prompt_function, row_id
+from melt_eval.evaluation.tasks import MMLU_REDUX_SUBJECTS, SYNTHETIC_TEST, TaskSpec, row_id
 from melt_eval.training import synthetic
 
 
@@ -32,7 +32,7 @@ def load_rows(spec: TaskSpec, data_dir: str | Path | None, max_problems: int | N
     if not rows:
         raise UserError(f"{spec.name}: the data has no rows")
     rows = rows[:max_problems] if max_problems else rows
-    check = prompt_function(spec)
+    check = spec.prompt
     for i, row in enumerate(rows):
         row["_position"] = i
         try:

@@ -31,15 +31,7 @@ from lighteval.models.model_output import ModelResponse
 from lighteval.tasks.requests import Doc
 
 from melt_eval.errors import UserError
-
-
-@dataclass
-class SamplingSettings:
-    samples: int
-    temperature: float
-    top_p: float
-    max_new_tokens: int
-    seed: int
+from melt_eval.generation.options import InferenceOptions, Sampling
 
 
 def problem_key(doc: Doc) -> str:
@@ -115,15 +107,12 @@ class Batch:
 class NativeBackend:
     """The native engine for LoopLM/MELT; transformers' generate for any other causal LM."""
 
-    def __init__(self, model, tokenizer, *, kv_sharing=None, share_prompt=False, prefill_chunk=1, batch_rows=64,
-                 max_cache_bytes=None, allow_beyond_max_positions=False) -> None:
+    def __init__(self, model, tokenizer, options: InferenceOptions, *, batch_rows=64, max_cache_bytes=None,
+                 allow_beyond_max_positions=False) -> None:
         from melt_eval.modeling import LoopLMForCausalLM
 
-        self.model, self.tokenizer = model, tokenizer
-        self.looped = isinstance(model, LoopLMForCausalLM)
-        if not self.looped and (kv_sharing or share_prompt):
-            raise UserError("--kv-sharing and --share-prompt apply to LoopLM (Ouro) models only")
-        self.kv_sharing, self.share_prompt, self.prefill_chunk = kv_sharing, share_prompt, prefill_chunk
+        self.model, self.tokenizer, self.options = model, tokenizer, options
+        self.looped = isinstance(model, LoopLMForCausalLM)  # the runner refused loop options for any other model
         self.batch_rows = batch_rows
         self.max_cache_bytes, self.allow_beyond_max_positions = max_cache_bytes, allow_beyond_max_positions
         self.peak_cache_bytes = 0
@@ -137,14 +126,13 @@ class NativeBackend:
     def close(self) -> None:
         pass
 
-    def generate(self, prompts: list[list[int]], seeds: list[int], s: SamplingSettings, eos: list[int]) -> Batch:
+    def generate(self, prompts: list[list[int]], seeds: list[int], s: Sampling, eos: list[int]) -> Batch:
         if self.looped:
             from melt_eval.generation import generate
 
             res = generate(
-                self.model, prompts, n=s.samples, temperature=s.temperature, top_p=s.top_p,
+                self.model, prompts, self.options, n=s.samples, temperature=s.temperature, top_p=s.top_p,
                 max_new_tokens=s.max_new_tokens, seed=seeds, eos_token_id=eos,
-                prefill_chunk_size=self.prefill_chunk, kv_sharing=self.kv_sharing, share_prompt=self.share_prompt,
                 max_cache_bytes=self.max_cache_bytes, allow_beyond_max_positions=self.allow_beyond_max_positions,
             )
             self.peak_cache_bytes = max(self.peak_cache_bytes, res.peak_cache_bytes)
@@ -194,12 +182,10 @@ def _cache_bytes(cache) -> int:
 class VllmBackend:
     """vLLM through the harness's generator (the vLLM plugin serves LoopLM and MELT)."""
 
-    def __init__(self, generator_cls, model_path: str, tokenizer, *, loops=None, kv_sharing=None, share_prompt=False,
-                 prefill_chunk=None, **engine) -> None:
+    def __init__(self, generator_cls, model_path: str, tokenizer, options: InferenceOptions, **engine) -> None:
         self.tokenizer = tokenizer
         self.engine = engine  # dtype, max_model_len, gpu_memory_utilization, kv_cache_bytes, tensor_parallel_size
-        self._make = lambda: generator_cls(model_path, loops=loops, kv_sharing=kv_sharing, share_prompt=share_prompt,
-                                           prefill_chunk_size=prefill_chunk, **engine)
+        self._make = lambda: generator_cls(model_path, options, **engine)
         self.generator = None
         self.peak_cache_bytes = 0
 
@@ -221,7 +207,7 @@ class VllmBackend:
     def problems_per_batch(self, samples: int) -> int:
         return 10_000  # vLLM schedules on its own
 
-    def generate(self, prompts, seeds, s: SamplingSettings, eos) -> Batch:
+    def generate(self, prompts, seeds, s: Sampling, eos) -> Batch:
         self.start()
         res = self.generator.generate(prompts, n=s.samples, temperature=s.temperature, top_p=s.top_p,
                                       max_new_tokens=s.max_new_tokens, seed=seeds, stop_token_ids=eos)
@@ -260,7 +246,7 @@ class EndpointBackend:
     def problems_per_batch(self, samples: int) -> int:
         return 10_000  # requests stream: each finished problem is stored at once
 
-    def generate_each(self, prompts, seeds, s: SamplingSettings, eos):
+    def generate_each(self, prompts, seeds, s: Sampling, eos):
         """(position, texts, tokens) per problem, in the order they finish."""
         self.start()
         requests = [dict(prompt_ids=p, n=s.samples, temperature=s.temperature, top_p=s.top_p,
@@ -269,7 +255,7 @@ class EndpointBackend:
             texts = c.texts if c.token_ids is None else [self.tokenizer.decode(q, skip_special_tokens=True) for q in c.token_ids]
             yield pos, texts, c.num_tokens
 
-    def generate(self, prompts, seeds, s: SamplingSettings, eos) -> Batch:
+    def generate(self, prompts, seeds, s: Sampling, eos) -> Batch:
         texts, tokens = [None] * len(prompts), [0] * len(prompts)
         for pos, t, n in self.generate_each(prompts, seeds, s, eos):
             texts[pos], tokens[pos] = t, n
@@ -304,11 +290,12 @@ class _NoSampleCache:
 class HarnessModel(LightevalModel):
     """What LightEval's Pipeline talks to: chat-formats each Doc and fetches or makes its samples."""
 
-    def __init__(self, name: str, tokenizer, backend, settings: SamplingSettings, store: CompletionStore,
+    def __init__(self, name: str, tokenizer, backend, options: InferenceOptions, store: CompletionStore,
                  *, system_prompt: str | None = None, on_batch: Callable[[int, int], None] | None = None) -> None:
+        """`options`: the run's, with the task's sample count and length resolved (`for_task`)."""
         self.config = ModelConfig(model_name=name)
         self._tokenizer = tokenizer
-        self.backend, self.settings, self.store = backend, settings, store
+        self.backend, self.options, self.store = backend, options, store
         self.system_prompt = system_prompt
         self.on_batch = on_batch  # (problems finished, tokens generated) -> None, for progress bars
         self._cache = _NoSampleCache()
@@ -335,25 +322,26 @@ class HarnessModel(LightevalModel):
     def greedy_until(self, docs: list[Doc]) -> list[ModelResponse]:
         keys = [problem_key(d) for d in docs]
         # a problem is done when all its samples are: a line with fewer (or more) is generated again
+        sampling = self.options.sampling
         todo = [i for i, k in enumerate(keys)
-                if k not in self.store.done or len(self.store.done[k]["completions"]) != self.settings.samples]
+                if k not in self.store.done or len(self.store.done[k]["completions"]) != sampling.samples]
         if todo and isinstance(self.backend, ReplayBackend):
             raise UserError(f"the completions file has no entry for {len(todo)} problem(s) of the task (first: index {todo[0]})")
         if self.on_batch:
             self.on_batch(len(docs) - len(todo), 0)
-        step = self.backend.problems_per_batch(self.settings.samples)
+        step = self.backend.problems_per_batch(sampling.samples)
         for start in range(0, len(todo), step):
             idx = todo[start : start + step]
             prompts = [self.encode(docs[i]) for i in idx]
-            seeds = [problem_seed(self.settings.seed, keys[i]) for i in idx]
+            seeds = [problem_seed(sampling.seed, keys[i]) for i in idx]
             if hasattr(self.backend, "generate_each"):  # store each problem the moment it is done
-                for pos, texts, tokens in self.backend.generate_each(prompts, seeds, self.settings, self.eos_ids):
+                for pos, texts, tokens in self.backend.generate_each(prompts, seeds, sampling, self.eos_ids):
                     self.store.add(keys[idx[pos]], texts, tokens)
                     self.generated_tokens += tokens
                     if self.on_batch:
                         self.on_batch(1, tokens)
                 continue
-            batch = self.backend.generate(prompts, seeds, self.settings, self.eos_ids)
+            batch = self.backend.generate(prompts, seeds, sampling, self.eos_ids)
             for i, texts, tokens in zip(idx, batch.texts, batch.tokens):
                 self.store.add(keys[i], texts, tokens)
                 self.generated_tokens += tokens

@@ -8,7 +8,7 @@
 
 LightEval 0.13 offline: its Registry imports every built-in task module and two of them reach the
 network at import, and its dataset loader only knows the Hub. `lighteval_scope` narrows the
-registry to melt-eval's TASKS_TABLE and hands LightEval the rows the harness loaded (Hub, a
+registry to melt-eval's task configs and hands LightEval the rows the harness loaded (Hub, a
 `--data-dir` file or the built-in generator) for the duration of a run; site-packages is untouched.
 """
 
@@ -16,11 +16,11 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import os
 import platform
 import time
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
 
@@ -32,12 +32,12 @@ from melt_eval.evaluation.lighteval_model import (
     HarnessModel,
     NativeBackend,
     ReplayBackend,
-    SamplingSettings,
     VllmBackend,
     problem_key,
 )
-from melt_eval.evaluation.tasks import SPECS, TaskSpec, expand, lighteval_metrics, metric_name, task_config
+from melt_eval.evaluation.tasks import SPECS, TaskSpec, expand, metric_name, task_config
 from melt_eval.files import DirLock, clear_directory, write_json_atomic
+from melt_eval.generation.options import InferenceOptions, Sampling
 
 BACKENDS = ("native", "vllm", "endpoint")
 # vLLM engine settings `--backend vllm` takes (and `melt-eval serve` passes to the server)
@@ -103,7 +103,7 @@ def evaluate(spec: TaskSpec, rows: list[dict], model: HarnessModel, workdir: Pat
     # model module calls torch.set_grad_enabled(False)); training after an evaluation needs it back
     torch.set_grad_enabled(grad_mode)
 
-    config = task_config(spec, model.settings.samples)
+    config = task_config(spec, model.options.sampling.samples)
     with lighteval_scope({spec.name: config}, {spec.name: rows}), quiet_lighteval():
         params = PipelineParameters(launcher_type=ParallelismManager.CUSTOM, remove_reasoning_tags=True)
         tracker = EvaluationTracker(output_dir=str(workdir), save_details=False)
@@ -124,8 +124,8 @@ def _num(x):
 
 
 def _details(spec: TaskSpec, details) -> list[dict]:
-    """Per problem: every completion with its extracted answer and whether it is correct."""
-    fn = _scoring_fn(spec)
+    """Per problem: every completion with what the metric read from it and whether it is correct."""
+    fn = spec.metrics(spec.samples)[0].sample_level_fn  # a PassAtK: its per-sample scorer is LightEval's
     out = []
     for d in details:
         doc, response, metrics = d.doc, d.model_response, d.metric
@@ -134,37 +134,13 @@ def _details(spec: TaskSpec, details) -> list[dict]:
         for text in texts:
             # one sample: its pass@1 is its correctness (no second run of, say, HumanEval's tests)
             correct = next(iter(metrics.values())) > 0 if len(texts) == 1 else _correct(fn, doc, text)
-            rows.append({"text": text, "extracted": _extracted(spec, fn, doc, text), "correct": bool(correct)})
+            rows.append({"text": text, "extracted": spec.extract(doc, text, fn), "correct": bool(correct)})
         out.append({
             "index": (doc.specific or {}).get("index"), "id": (doc.specific or {}).get("id"),
             "gold": doc.get_golds()[0], "completions": rows,
             "metrics": {metric_name(k, spec): float(v) for k, v in metrics.items()},
         })
     return sorted(out, key=lambda r: (r["index"] is None, r["index"]))
-
-
-def _extracted(spec: TaskSpec, fn, doc, text: str) -> str | None:
-    """What the metric read from a completion: LightEval's own extraction (answer or letter), HLE's
-    final "Answer:" line, or the code HumanEval ran."""
-    if spec.kind == "code":
-        from melt_eval.evaluation.code import extract_code
-
-        return extract_code(text)
-    if spec.kind == "judge-free":
-        from melt_eval.evaluation.hle import final_answer
-
-        return final_answer(text)
-    from lighteval.metrics.utils.extractive_match_utils import extract_target_from_pred, get_extraction_regexes
-
-    matcher = fn.compute_score.__self__  # LightEval's MultilingualExtractiveMatchMetric
-    regexes = get_extraction_regexes(doc, matcher.pred_extraction_target, matcher.language)
-    found = extract_target_from_pred(fn.preprocess(text), regexes, matcher.fallback_mode, matcher.extraction_mode,
-                                     matcher.timeout_seconds)
-    return str(found[-1]) if found else None
-
-
-def _scoring_fn(spec: TaskSpec):
-    return lighteval_metrics(spec)[0].sample_level_fn  # a PassAtK: its per-sample scorer is LightEval's
 
 
 def _correct(fn, doc, text: str) -> float:
@@ -258,41 +234,66 @@ def _claim(task_dir: Path, identity: dict, force: bool) -> None:
 # ------------------------------------------------------------------------------- API
 
 
+@dataclass(frozen=True)
+class RunPaths:
+    """Where a run reads and writes: results under `output/<name>/<task>/` (or `results_dir/<task>/`),
+    task rows from `data_dir/<task>.jsonl|.parquet` instead of the Hub."""
+
+    output: str | Path = "results"
+    results_dir: str | Path | None = None
+    name: str | None = None  # default: the registry name or the checkpoint's directory name
+    data_dir: str | Path | None = None
+
+
+@dataclass(frozen=True)
+class BackendSettings:
+    """Which backend generates and its own settings (they change memory and speed, not the samples,
+    except vLLM's dtype): `max_cache_bytes`, `allow_beyond_max_positions` (native; the first is also
+    vLLM's KV budget), `engine` (vLLM, keys of ENGINE_OPTIONS), `base_url`/`max_concurrency` (endpoint)."""
+
+    kind: str = "native"
+    max_cache_bytes: int | None = None
+    allow_beyond_max_positions: bool = False
+    engine: dict = field(default_factory=dict)
+    base_url: str | list[str] | None = None
+    max_concurrency: int = 64
+
+    def __post_init__(self) -> None:
+        if self.kind not in BACKENDS:
+            raise UserError(f"unknown backend {self.kind!r}; choose one of {', '.join(BACKENDS)}")
+        if unknown := set(self.engine or {}) - set(ENGINE_OPTIONS):
+            raise UserError(f"unknown engine settings {sorted(unknown)}; known: {', '.join(ENGINE_OPTIONS)}")
+
+
 class LoadedModel:
     """The model, tokenizer and backend shared by all tasks of one `run_tasks` call."""
 
-    def __init__(self, model: str, backend: str, loops, kv_sharing, share_prompt, prefill_chunk, engine=None,
-                 base_url=None, max_concurrency=64, max_cache_bytes=None, allow_beyond_max_positions=False) -> None:
+    def __init__(self, model: str, options: InferenceOptions, backend: BackendSettings) -> None:
         import torch
 
         from melt_eval.modeling import LoopLMForCausalLM, load_model
         from melt_eval.modeling.loading import checkpoint_model_type, load_tokenizer
         from melt_eval.registry import MODELS, resolve_model_dir
 
-        if backend not in BACKENDS:
-            raise UserError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
-        generator_cls = _vllm_generator() if backend == "vllm" else None  # fail before any download or load
+        generator_cls = _vllm_generator() if backend.kind == "vllm" else None  # fail before any download or load
         self.model_dir = resolve_model_dir(model)
         # a checkpoint runs under its directory's name, however it was spelled ("." included)
         self.display = model if model in MODELS else (self.model_dir.resolve().name or "model")
         looped = checkpoint_model_type(self.model_dir) in ("ouro", "melt")
-        if loops is not None and not looped:
+        if options.loops is not None and not looped:
             raise UserError("--loops applies to looped models (Ouro, MELT) only")
-        if loops is not None and loops < 1:
-            raise UserError("--loops must be at least 1")
-        if not looped and (kv_sharing or share_prompt):
+        if not looped and (options.kv_sharing or options.share_prompt):
             raise UserError("--kv-sharing and --share-prompt apply to LoopLM (Ouro) models only")
-        engine = {k: v for k, v in (engine or {}).items() if v is not None}
-        self.kv_sharing, self.share_prompt = kv_sharing, share_prompt
-        self.max_cache_bytes, self.allow_beyond_max_positions = max_cache_bytes, allow_beyond_max_positions
-        if engine and backend != "vllm":
+        engine = {k: v for k, v in (backend.engine or {}).items() if v is not None}
+        self.options, self.settings = options, backend
+        if engine and backend.kind != "vllm":
             flags = ", ".join("--" + k.replace("_", "-") for k in engine)
-            where = "the server's (melt-eval serve takes them)" if backend == "endpoint" else "--backend vllm options"
+            where = "the server's (melt-eval serve takes them)" if backend.kind == "endpoint" else "--backend vllm options"
             raise UserError(f"{flags}: {where}; drop them here")
-        if (base_url is not None) != (backend == "endpoint"):
+        if (backend.base_url is not None) != (backend.kind == "endpoint"):
             raise UserError("--base-url goes with --backend endpoint (and --backend endpoint needs --base-url)")
-        if backend == "endpoint":
-            if loops is not None or kv_sharing or share_prompt or prefill_chunk != 1:
+        if backend.kind == "endpoint":
+            if options.sets_model_options:
                 raise UserError("--loops, --kv-sharing, --share-prompt and --prefill-chunk are the server's settings with "
                                 "--backend endpoint: pass them to `melt-eval serve` and drop them here")
             from transformers import AutoConfig
@@ -303,10 +304,10 @@ class LoadedModel:
             config = AutoConfig.from_pretrained(str(self.model_dir))
             self.loops = config.total_ut_steps if looped else None
             self.config_hash = _config_hash(config)
-            self.backend = EndpointBackend(base_url, self.tokenizer, max_concurrency=max_concurrency)
+            self.backend = EndpointBackend(backend.base_url, self.tokenizer, max_concurrency=backend.max_concurrency)
             return
-        if backend == "vllm":
-            if share_prompt:
+        if backend.kind == "vllm":
+            if options.share_prompt:
                 raise UserError("--share-prompt is a native-engine option; drop it or use --backend native")
             from transformers import AutoConfig
 
@@ -314,37 +315,34 @@ class LoadedModel:
             self.model = None
             self.tokenizer = load_tokenizer(self.model_dir)
             config = AutoConfig.from_pretrained(str(self.model_dir))
-            if loops is not None:
-                config.total_ut_steps = loops
+            if options.loops is not None:
+                config.total_ut_steps = options.loops
             self.loops = config.total_ut_steps if looped else None
             self.config_hash = _config_hash(config)
-            if max_cache_bytes is not None:  # --max-cache-bytes is vLLM's KV budget unless --kv-cache-bytes says otherwise
-                engine.setdefault("kv_cache_bytes", max_cache_bytes)
-            self.backend = VllmBackend(generator_cls, str(self.model_dir), self.tokenizer, loops=loops,
-                                       kv_sharing=kv_sharing, share_prompt=share_prompt, prefill_chunk=prefill_chunk,
-                                       **engine)
+            if backend.max_cache_bytes is not None:  # --max-cache-bytes is vLLM's KV budget unless --kv-cache-bytes says otherwise
+                engine.setdefault("kv_cache_bytes", backend.max_cache_bytes)
+            self.backend = VllmBackend(generator_cls, str(self.model_dir), self.tokenizer, options, **engine)
             return
         device = "cuda" if torch.cuda.is_available() else "cpu"
         dtype = torch.bfloat16 if device == "cuda" else torch.float32
         self.model, self.tokenizer = load_model(str(self.model_dir), dtype=dtype, device=device)
-        if loops is not None:
-            self.model.config.total_ut_steps = loops
+        if options.loops is not None:
+            self.model.config.total_ut_steps = options.loops
         self.loops = self.model.config.total_ut_steps if isinstance(self.model, LoopLMForCausalLM) else None
-        self.backend = NativeBackend(self.model, self.tokenizer, kv_sharing=kv_sharing, share_prompt=share_prompt,
-                                     prefill_chunk=prefill_chunk, max_cache_bytes=max_cache_bytes,
-                                     allow_beyond_max_positions=allow_beyond_max_positions)
+        self.backend = NativeBackend(self.model, self.tokenizer, options, max_cache_bytes=backend.max_cache_bytes,
+                                     allow_beyond_max_positions=backend.allow_beyond_max_positions)
         self.config_hash = _config_hash(self.model.config)
 
-    def check_request(self, settings) -> None:
+    def check_request(self, sampling: Sampling) -> None:
         """Refuse, before any file is written or cache allocated, what cannot run: positions beyond the
         model's limit, or a cache that cannot hold even one sample of a one-token prompt."""
         from melt_eval.generation.engine import plan_waves
 
         if self.model is not None:
-            plan_waves(self.model, prompt_tokens=1, max_new_tokens=settings.max_new_tokens, rows=1,
-                       kv_sharing=self.kv_sharing, share_prompt=self.share_prompt, max_cache_bytes=self.max_cache_bytes,
-                       allow_beyond_max_positions=self.allow_beyond_max_positions)
-
+            plan_waves(self.model, prompt_tokens=1, max_new_tokens=sampling.max_new_tokens, rows=1,
+                       kv_sharing=self.options.kv_sharing, share_prompt=self.options.share_prompt,
+                       max_cache_bytes=self.settings.max_cache_bytes,
+                       allow_beyond_max_positions=self.settings.allow_beyond_max_positions)
 
     def backend_settings(self) -> dict:
         """Settings of the backend that change what is generated (part of a run's identity)."""
@@ -361,23 +359,9 @@ def _vllm_generator():
     return VllmGenerator
 
 
-def _check_options(samples, temperature, top_p, max_new_tokens, max_problems, kv_sharing, prefill_chunk) -> None:
-    if samples is not None and samples < 1 or max_problems is not None and max_problems < 1:
-        raise UserError("--samples and --max-problems must be at least 1")
-    if max_new_tokens is not None and max_new_tokens < 1:
-        raise UserError("--max-new-tokens must be at least 1")
-    if not math.isfinite(temperature) or temperature < 0:
-        raise UserError(f"--temperature must be a finite number, 0 (greedy) or more, got {temperature}")
-    if not math.isfinite(top_p) or not 0 < top_p <= 1:
-        raise UserError(f"--top-p must be in (0, 1], got {top_p}")
-    if prefill_chunk < 1:
-        raise UserError(f"--prefill-chunk must be at least 1, got {prefill_chunk}")
-    if kv_sharing not in (None, "first", "last"):
-        raise UserError(f"--kv-sharing must be 'first' or 'last', got {kv_sharing!r}")
-
-
-def _check_paths(output, results_dir, name) -> None:
+def _check_paths(paths: RunPaths) -> None:
     """Results stay under --output: a name is one plain directory name, and the roots are directories."""
+    output, results_dir, name = paths.output, paths.results_dir, paths.name
     if name is not None:
         if not name.strip() or name.strip() in (".", "..") or any(sep in name for sep in ("/", "\\", "\0")):
             raise UserError(f"--name {name!r} must be a plain directory name (no '/', '..' or '.'), "
@@ -396,66 +380,46 @@ def _check_paths(output, results_dir, name) -> None:
 def run_tasks(
     tasks: list[str] | str,
     model: str,
+    options: InferenceOptions = InferenceOptions(),
+    paths: RunPaths = RunPaths(),
     *,
-    results_dir: str | Path | None = None,
-    output: str | Path = "results",
-    backend: str = "native",
-    samples: int | None = None,
-    temperature: float = 1.0,
-    top_p: float = 0.7,
-    max_new_tokens: int | None = None,
+    backend: BackendSettings = BackendSettings(),
     max_problems: int | None = None,
-    loops: int | None = None,
-    kv_sharing: str | None = None,
-    share_prompt: bool = False,
-    prefill_chunk: int = 1,
-    data_dir: str | Path | None = None,
-    seed: int = 0,
     force: bool = False,
     progress: bool = True,
-    name: str | None = None,
     unsafe_local_exec: bool = False,
-    max_cache_bytes: int | None = None,
-    allow_beyond_max_positions: bool = False,
-    engine: dict | None = None,
-    base_url: str | list[str] | None = None,
-    max_concurrency: int = 64,
 ) -> list[dict]:
-    """Evaluate `model` on `tasks` with the paper's protocol; see docs/CONTRACTS.md.
-
-    `engine`: vLLM settings for backend "vllm" (keys of ENGINE_OPTIONS); `base_url`, `max_concurrency`:
-    backend "endpoint" (one URL, a comma-separated list or a list)."""
-    if engine and (unknown := set(engine) - set(ENGINE_OPTIONS)):
-        raise UserError(f"unknown engine settings {sorted(unknown)}; known: {', '.join(ENGINE_OPTIONS)}")
+    """Evaluate `model` (registry name or checkpoint directory) on `tasks` (names or groups) with the
+    paper's protocol; see docs/CONTRACTS.md. `options`: how the model generates (sample count and
+    length left None take each task's own); `paths`: where results go and rows come from; `backend`:
+    what generates; `max_problems`: the first N problems of each task."""
     names = expand(tasks)
     if not names:
         raise UserError(f"no task given ({tasks!r}); name one or more tasks or groups, comma-separated "
                         "(melt-eval tasks lists them)")
-    _check_options(samples, temperature, top_p, max_new_tokens, max_problems, kv_sharing, prefill_chunk)
-    _check_paths(output, results_dir, name)
+    if max_problems is not None and max_problems < 1:
+        raise UserError(f"--max-problems must be at least 1, got {max_problems}")
+    _check_paths(paths)
     # every task's data first: a missing file fails before any model is loaded
-    rows = {task: data.load_rows(SPECS[task], data_dir, max_problems) for task in names}
+    rows = {task: data.load_rows(SPECS[task], paths.data_dir, max_problems) for task in names}
     _require_sandbox(names, unsafe_local_exec)
     loaded = None
     out = []
     try:
         for task in names:
             spec = SPECS[task]
-            settings = SamplingSettings(
-                samples=samples or spec.samples, temperature=temperature, top_p=top_p,
-                max_new_tokens=max_new_tokens or spec.max_new_tokens, seed=seed,
-            )
+            task_options = options.for_task(spec.samples, spec.max_new_tokens)
+            sampling = task_options.sampling
             if loaded is None:
-                loaded = LoadedModel(model, backend, loops, kv_sharing, share_prompt, prefill_chunk, engine=engine,
-                                     base_url=base_url, max_concurrency=max_concurrency, max_cache_bytes=max_cache_bytes,
-                                     allow_beyond_max_positions=allow_beyond_max_positions)
-                loaded.display = name or loaded.display
-            task_dir = (Path(results_dir) if results_dir else Path(output) / loaded.display) / task
+                loaded = LoadedModel(model, options, backend)
+                loaded.display = paths.name or loaded.display
+            task_dir = (Path(paths.results_dir) if paths.results_dir else Path(paths.output) / loaded.display) / task
+            # the run's identity: these keys and values are those of every earlier version (results resume)
             run_settings = {
-                "samples": settings.samples, "temperature": temperature, "top_p": top_p,
-                "max_new_tokens": settings.max_new_tokens, "seed": seed, "backend": backend, "loops": loaded.loops,
-                "kv_sharing": kv_sharing, "share_prompt": share_prompt, "prefill_chunk": prefill_chunk,
-                "max_problems": max_problems,
+                "samples": sampling.samples, "temperature": sampling.temperature, "top_p": sampling.top_p,
+                "max_new_tokens": sampling.max_new_tokens, "seed": sampling.seed, "backend": backend.kind,
+                "loops": loaded.loops, "kv_sharing": options.kv_sharing, "share_prompt": options.share_prompt,
+                "prefill_chunk": options.prefill_chunk, "max_problems": max_problems,
             }
             run_settings.update(loaded.backend_settings())
             identity = {"model": loaded.display, "task": task, "model_path": str(loaded.model_dir.resolve()),
@@ -463,25 +427,26 @@ def run_tasks(
             if not force and (done := read_finished(task_dir, identity)):
                 out.append(done)
                 continue
-            loaded.check_request(settings)
+            loaded.check_request(sampling)
             _refuse_file_in_path(task_dir)
             with DirLock(task_dir, "evaluation"):  # a second run (or --force) into this directory is refused
                 loaded.backend.start()  # vLLM starts only when something is left to generate, before any file is written
                 _claim(task_dir, identity, force)
-                out.append(_run_one(spec, rows[task], loaded, settings, identity, task_dir, progress))
+                out.append(_run_one(spec, rows[task], loaded, task_options, identity, task_dir, progress))
     finally:
         if loaded is not None:
             loaded.backend.close()  # vLLM's engine holds its cache memory until closed
     return out
 
 
-def _run_one(spec, rows, loaded: LoadedModel, settings, identity, task_dir: Path, progress: bool) -> dict:
+def _run_one(spec, rows, loaded: LoadedModel, options: InferenceOptions, identity, task_dir: Path, progress: bool) -> dict:
     from melt_eval.evaluation.progress import task_progress
 
     store = CompletionStore(task_dir / "completions.jsonl")
     started = time.perf_counter()
-    with task_progress(f"{identity['model']} / {spec.name}", len(rows), settings.samples, enabled=progress) as on_batch:
-        model = HarnessModel(loaded.display, loaded.tokenizer, loaded.backend, settings, store, on_batch=on_batch)
+    with task_progress(f"{identity['model']} / {spec.name}", len(rows), options.sampling.samples,
+                       enabled=progress) as on_batch:
+        model = HarnessModel(loaded.display, loaded.tokenizer, loaded.backend, options, store, on_batch=on_batch)
         metrics, details = evaluate(spec, rows, model, task_dir / ".lighteval")
     with open(task_dir / "details.jsonl.tmp", "w") as f:
         for row in details:
@@ -532,8 +497,9 @@ def score_completions(task: str, completions_file: str | Path, *, data_dir=None,
             doc = prompt(rows[position], f"{spec.name}|0")
             store.done[problem_key(doc)] = {"completions": completions, "tokens": 0}
         samples = min(len(c) for c in by_position.values())
-        settings = SamplingSettings(samples=samples, temperature=0.0, top_p=1.0, max_new_tokens=0, seed=0)
-        model = HarnessModel("score", _NullTokenizer(), ReplayBackend(), settings, store)
+        # nothing is generated: the sample count is what a problem's stored completions are checked against
+        replay = InferenceOptions(sampling=Sampling(samples=samples, temperature=0.0, top_p=1.0, max_new_tokens=1))
+        model = HarnessModel("score", _NullTokenizer(), ReplayBackend(), replay, store)
         metrics, details = evaluate(spec, [rows[p] for p in sorted(by_position)], model, Path(tmp) / "lighteval")
     return {"task": spec.name, "num_problems": len(by_position), "metrics": metrics, "details": details}
 

@@ -1,4 +1,10 @@
-"""The paper's benchmarks as LightEval tasks (`TASKS_TABLE`), plus the demo's synthetic task.
+"""The paper's benchmarks as LightEval tasks, plus the demo's synthetic task.
+
+Each task is one `TaskSpec` in `SPECS`, carrying its behaviour as data, as LightEval's
+`LightevalTaskConfig` does: its prompt function, its metrics (a function of the sample count)
+and how an answer is read from a completion (for the per-problem details). A new task is one
+entry here; `task_config` turns it into LightEval's config, `lighteval_cli_table` into the table
+LightEval's own CLI loads (`tasks/melt_tasks.py`).
 
 Prompts and answer extraction are LightEval's own (its AIME and MATH-500 templates, its
 math-verify based `pass@k` metric, its letter-extraction for multiple choice); the
@@ -15,10 +21,12 @@ from __future__ import annotations
 import hashlib
 import random
 from dataclasses import dataclass, field
+from typing import Callable
 
 import numpy as np
 from lighteval.metrics.metrics import Metrics
 from lighteval.metrics.metrics_sample import PassAtK
+from lighteval.metrics.utils.extractive_match_utils import extract_target_from_pred, get_extraction_regexes
 from lighteval.metrics.utils.metric_utils import SampleLevelMetric
 from lighteval.tasks.lighteval_task import LightevalTaskConfig
 from lighteval.tasks.requests import Doc, SamplingMethod
@@ -28,6 +36,8 @@ from lighteval.tasks.tasks.math_500 import MATH_QUERY_TEMPLATE
 from lighteval.tasks.tasks.mmlu_redux import _MMLU_REDUX_2_SUBSETS as MMLU_REDUX_SUBJECTS
 from lighteval.tasks.tasks.mmlu_redux import mmlu_redux_2_prompt
 
+from melt_eval.evaluation.code import extract_code, humaneval_prompt, humaneval_score
+from melt_eval.evaluation.hle import final_answer, hle_prompt, hle_score, select_subset
 from melt_eval.training import synthetic
 
 PAPER_MAX_NEW_TOKENS = 32768
@@ -35,22 +45,25 @@ PAPER_MAX_NEW_TOKENS = 32768
 
 @dataclass(frozen=True)
 class TaskSpec:
-    """What the harness needs to know about a task beyond LightEval's config."""
+    """A task: where its rows come from, the paper's protocol, and its behaviour (prompt, metrics, answer)."""
 
     name: str
     hf_repo: str | None  # None: built in (no download)
     hf_subset: str
     split: str
     samples: int  # samples per problem (the paper's)
-    kind: str  # "math" | "choice" | "code" | "judge-free"
-    template: str = MATH_PROMPT_TEMPLATE
+    kind: str  # "math" | "choice" | "code" | "judge-free": the --data-dir schema; "code" runs in the sandbox
+    prompt: Callable = field(kw_only=True, compare=False)  # (row, task name) -> LightEval Doc
+    metrics: Callable = field(kw_only=True, compare=False)  # samples n -> LightEval metrics (the first scores details)
+    extract: Callable = field(kw_only=True, compare=False)  # (doc, completion, scorer) -> what the metric read
     max_new_tokens: int = PAPER_MAX_NEW_TOKENS
     num_problems: int | None = None  # the evaluation split's size, where fixed
     note: str = ""
     select: object = field(default=None, compare=False)  # rows -> the evaluated rows (a fixed subset)
+    hub_filter: object = field(default=None, compare=False)  # rows LightEval's own loader keeps (its CLI only)
 
     @property
-    def metrics(self) -> list[str]:
+    def metric_names(self) -> list[str]:
         return ["pass@1", "pass@10"] if self.samples > 1 else ["accuracy"]
 
 
@@ -122,47 +135,11 @@ def mmlu_redux_prompt(line: dict, task_name: str | None = None) -> Doc:
     return mmlu_redux_2_prompt(topic)(dict(line), task_name)
 
 
-def _hle_subset(rows: list[dict]) -> list[dict]:
-    from melt_eval.evaluation.hle import select_subset
-
-    return select_subset(rows)
+def _text_only(row: dict) -> bool:
+    return not row.get("image")
 
 
-# ---------------------------------------------------------------- the table
-
-SPECS: dict[str, TaskSpec] = {
-    s.name: s
-    for s in [
-        TaskSpec("aime24", "HuggingFaceH4/aime_2024", "default", "train", 16, "math", num_problems=30),
-        TaskSpec("aime25", "yentinglin/aime_2025", "default", "train", 16, "math", num_problems=30),
-        TaskSpec("aime26", "MathArena/aime_2026", "default", "train", 16, "math", num_problems=30,
-                 note="Hub copy assumed at MathArena/aime_2026; pass --data-dir with aime26.jsonl otherwise"),
-        TaskSpec("amc23", "math-ai/amc23", "default", "test", 16, "math", num_problems=40),
-        TaskSpec("math500", "HuggingFaceH4/MATH-500", "default", "test", 1, "math", template=MATH_QUERY_TEMPLATE,
-                 num_problems=500),
-        TaskSpec("olympiadbench", "Hothan/OlympiadBench", "OE_TO_maths_en_COMP", "train", 1, "math", num_problems=674,
-                 note="text-only English competition math (674 rows; the paper reports 581)"),
-        TaskSpec("gpqa", "Idavidrein/gpqa", "gpqa_main", "train", 1, "choice", num_problems=448,
-                 note="main set, options shuffled deterministically per question"),
-        TaskSpec("mmlu_redux", "edinburgh-dawg/mmlu-redux-2.0", "*", "test", 1, "choice", num_problems=5700,
-                 note="all 57 subjects (100 each), LightEval's prompt per subject, letter extraction"),
-        TaskSpec("hle", "cais/hle", "default", "test", 1, "judge-free", num_problems=300,
-                 note="fixed text-only subset: first 300 by sha256(id); letter / math-verify scoring, no paid judge",
-                 select=_hle_subset),
-        TaskSpec("humaneval", "openai/openai_humaneval", "default", "test", 1, "code", num_problems=164,
-                 note="unit tests run in a sandboxed child process (no network, time/CPU/memory/output limits)"),
-        TaskSpec("synthetic", None, "default", "test", 16, "math", max_new_tokens=16, num_problems=200,
-                 note="built in: variable tracking with small arithmetic (melt_eval.training.synthetic)"),
-    ]
-}
-
-SYNTHETIC_TEST = dict(n=200, seed=0, num_steps=(1, 2), max_value=9)  # the distribution the demo trains on
-
-GROUPS: dict[str, list[str]] = {
-    "paper": ["aime24", "aime25", "aime26", "amc23", "math500", "olympiadbench", "gpqa", "hle", "mmlu_redux", "humaneval"],
-    "math": ["aime24", "aime25", "aime26", "amc23", "math500", "olympiadbench"],
-    "ablation": ["aime24", "aime25", "amc23", "math500"],
-}
+# ---------------------------------------------------------------- metrics
 
 
 def scored_metric(prefix: str, score, n: int = 1) -> SampleLevelMetric:
@@ -176,25 +153,98 @@ def scored_metric(prefix: str, score, n: int = 1) -> SampleLevelMetric:
     )
 
 
-def lighteval_metrics(spec: TaskSpec, samples: int | None = None) -> list:
-    """LightEval metric objects for `samples` per problem (default: the paper's count)."""
-    n = samples or spec.samples
-    if spec.kind == "code":
-        from melt_eval.evaluation.code import humaneval_score
+def math_pass_at_k(n: int) -> list:
+    """pass@1 and pass@10 (where n allows) with LightEval's math-verify scorer."""
+    return [Metrics.pass_at_k_math(sample_params={"k": k, "n": n}) for k in (1, 10) if k <= n]
 
-        return [scored_metric("humaneval", humaneval_score, n)]
-    if spec.kind == "judge-free":
-        from melt_eval.evaluation.hle import hle_score
 
-        return [scored_metric("hle", hle_score, n)]
-    if spec.name == "gpqa":
-        return [Metrics.gpqa_instruct_pass_at_k(sample_params={"k": 1, "n": n})]
-    if spec.name == "mmlu_redux":
-        return [Metrics.pass_at_k_letters(sample_params={"k": 1, "n": n})]
-    if spec.samples == 1:  # one-sample tasks: accuracy (the mean over samples where more are asked for)
-        return [Metrics.pass_at_k_math(sample_params={"k": 1, "n": n})]
-    ks = [k for k in (1, 10) if k <= n]
-    return [Metrics.pass_at_k_math(sample_params={"k": k, "n": n}) for k in ks]
+def math_accuracy(n: int) -> list:
+    """One-sample tasks: accuracy (the mean over samples where more are asked for)."""
+    return [Metrics.pass_at_k_math(sample_params={"k": 1, "n": n})]
+
+
+def gpqa_accuracy(n: int) -> list:
+    return [Metrics.gpqa_instruct_pass_at_k(sample_params={"k": 1, "n": n})]
+
+
+def letter_accuracy(n: int) -> list:
+    return [Metrics.pass_at_k_letters(sample_params={"k": 1, "n": n})]
+
+
+def humaneval_accuracy(n: int) -> list:
+    return [scored_metric("humaneval", humaneval_score, n)]
+
+
+def hle_accuracy(n: int) -> list:
+    return [scored_metric("hle", hle_score, n)]
+
+
+# ---------------------------------------------------------------- what a metric read from a completion
+
+
+def lighteval_answer(doc: Doc, text: str, scorer) -> str | None:
+    """LightEval's own extraction (an answer or a letter), as its extractive-match scorer ran it."""
+    matcher = scorer.compute_score.__self__  # LightEval's MultilingualExtractiveMatchMetric
+    regexes = get_extraction_regexes(doc, matcher.pred_extraction_target, matcher.language)
+    found = extract_target_from_pred(scorer.preprocess(text), regexes, matcher.fallback_mode, matcher.extraction_mode,
+                                     matcher.timeout_seconds)
+    return str(found[-1]) if found else None
+
+
+def code_answer(doc: Doc, text: str, scorer) -> str:
+    """The code HumanEval's unit tests ran."""
+    return extract_code(text)
+
+
+def final_answer_line(doc: Doc, text: str, scorer) -> str | None:
+    """HLE's final "Answer:" line."""
+    return final_answer(text)
+
+
+# ---------------------------------------------------------------- the table
+
+MATH = dict(prompt=_math_prompt(MATH_PROMPT_TEMPLATE), metrics=math_pass_at_k, extract=lighteval_answer)
+
+SPECS: dict[str, TaskSpec] = {
+    s.name: s
+    for s in [
+        TaskSpec("aime24", "HuggingFaceH4/aime_2024", "default", "train", 16, "math", **MATH, num_problems=30),
+        TaskSpec("aime25", "yentinglin/aime_2025", "default", "train", 16, "math", **MATH, num_problems=30),
+        TaskSpec("aime26", "MathArena/aime_2026", "default", "train", 16, "math", **MATH, num_problems=30,
+                 note="Hub copy assumed at MathArena/aime_2026; pass --data-dir with aime26.jsonl otherwise"),
+        TaskSpec("amc23", "math-ai/amc23", "default", "test", 16, "math", **MATH, num_problems=40),
+        TaskSpec("math500", "HuggingFaceH4/MATH-500", "default", "test", 1, "math",
+                 prompt=_math_prompt(MATH_QUERY_TEMPLATE), metrics=math_accuracy, extract=lighteval_answer,
+                 num_problems=500),
+        TaskSpec("olympiadbench", "Hothan/OlympiadBench", "OE_TO_maths_en_COMP", "train", 1, "math",
+                 **{**MATH, "metrics": math_accuracy}, num_problems=674,
+                 note="text-only English competition math (674 rows; the paper reports 581)"),
+        TaskSpec("gpqa", "Idavidrein/gpqa", "gpqa_main", "train", 1, "choice",
+                 prompt=gpqa_prompt, metrics=gpqa_accuracy, extract=lighteval_answer, num_problems=448,
+                 note="main set, options shuffled deterministically per question"),
+        TaskSpec("mmlu_redux", "edinburgh-dawg/mmlu-redux-2.0", "*", "test", 1, "choice",
+                 prompt=mmlu_redux_prompt, metrics=letter_accuracy, extract=lighteval_answer, num_problems=5700,
+                 note="all 57 subjects (100 each), LightEval's prompt per subject, letter extraction"),
+        TaskSpec("hle", "cais/hle", "default", "test", 1, "judge-free",
+                 prompt=hle_prompt, metrics=hle_accuracy, extract=final_answer_line, num_problems=300,
+                 note="fixed text-only subset: first 300 by sha256(id); letter / math-verify scoring, no paid judge",
+                 select=select_subset, hub_filter=_text_only),
+        TaskSpec("humaneval", "openai/openai_humaneval", "default", "test", 1, "code",
+                 prompt=humaneval_prompt, metrics=humaneval_accuracy, extract=code_answer, num_problems=164,
+                 note="unit tests run in a sandboxed child process (no network, time/CPU/memory/output limits)"),
+        TaskSpec("synthetic", None, "default", "test", 16, "math",
+                 prompt=synthetic_prompt, metrics=math_pass_at_k, extract=lighteval_answer, max_new_tokens=16,
+                 num_problems=200, note="built in: variable tracking with small arithmetic (melt_eval.training.synthetic)"),
+    ]
+}
+
+SYNTHETIC_TEST = dict(n=200, seed=0, num_steps=(1, 2), max_value=9)  # the distribution the demo trains on
+
+GROUPS: dict[str, list[str]] = {
+    "paper": ["aime24", "aime25", "aime26", "amc23", "math500", "olympiadbench", "gpqa", "hle", "mmlu_redux", "humaneval"],
+    "math": ["aime24", "aime25", "aime26", "amc23", "math500", "olympiadbench"],
+    "ablation": ["aime24", "aime25", "amc23", "math500"],
+}
 
 
 def metric_name(lighteval_name: str, spec: TaskSpec) -> str:
@@ -203,24 +253,6 @@ def metric_name(lighteval_name: str, spec: TaskSpec) -> str:
         return "accuracy"
     params = dict(kv.split("=") for kv in lighteval_name.split(":", 1)[1].split("&")) if ":" in lighteval_name else {}
     return f"pass@{params['k']}" if "k" in params else lighteval_name
-
-
-def prompt_function(spec: TaskSpec):
-    if spec.name == "synthetic":
-        return synthetic_prompt
-    if spec.name == "gpqa":
-        return gpqa_prompt
-    if spec.name == "mmlu_redux":
-        return mmlu_redux_prompt
-    if spec.name == "humaneval":
-        from melt_eval.evaluation.code import humaneval_prompt
-
-        return humaneval_prompt
-    if spec.name == "hle":
-        from melt_eval.evaluation.hle import hle_prompt
-
-        return hle_prompt
-    return _math_prompt(spec.template)
 
 
 def row_id(line: dict):
@@ -243,7 +275,7 @@ def task_config(spec: TaskSpec, samples: int | None = None, *, name: str | None 
                 hf_filter=None) -> LightevalTaskConfig:
     return LightevalTaskConfig(
         name=name or spec.name,
-        prompt_function=_with_position(prompt_function(spec)),
+        prompt_function=_with_position(spec.prompt),
         hf_repo=spec.hf_repo or "melt-eval/builtin",
         hf_subset=hf_subset or spec.hf_subset,
         hf_filter=hf_filter,
@@ -252,13 +284,9 @@ def task_config(spec: TaskSpec, samples: int | None = None, *, name: str | None 
         few_shots_split=None,
         few_shots_select=None,
         generation_size=spec.max_new_tokens,
-        metrics=lighteval_metrics(spec, samples),
+        metrics=spec.metrics(samples or spec.samples),  # the paper's sample count unless told
         version=1,
     )
-
-
-def _text_only(row: dict) -> bool:
-    return not row.get("image")
 
 
 def _with_subject(prompt, subject: str):
@@ -284,11 +312,8 @@ def lighteval_cli_table() -> list[LightevalTaskConfig]:
                 config.prompt_function = _with_subject(config.prompt_function, subject)
                 table.append(config)
         else:
-            table.append(task_config(spec, name=f"melt_{spec.name}", hf_filter=_text_only if spec.name == "hle" else None))
+            table.append(task_config(spec, name=f"melt_{spec.name}", hf_filter=spec.hub_filter))
     return table
-
-
-TASKS_TABLE = lighteval_cli_table()
 
 
 def expand(names: str | list[str]) -> list[str]:

@@ -1,6 +1,6 @@
 """Native generation for LoopLM and MELT: batched incremental decoding with explicit caches.
 
-Each prompt is prefilled on its own (chunked by `prefill_chunk_size` where the KV is
+Each prompt is prefilled on its own (chunked by `options.prefill_chunk` where the KV is
 shared across loops, so the chunk rule is exactly MELT's), straight into its rows of
 one batched, preallocated cache; then all prompts x samples decode together, one token
 per step. The cache layout is right-aligned: prompt i fills columns
@@ -31,8 +31,9 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from melt_eval.errors import UserError
+from melt_eval.generation.options import InferenceOptions
 from melt_eval.modeling.kv_cache import PerLoopKV, PromptPerLoopThenSharedKV, StaticStore
-from melt_eval.modeling.looplm import KV_SHARING, LoopLMForCausalLM
+from melt_eval.modeling.looplm import LoopLMForCausalLM
 from melt_eval.modeling.melt import MeltForCausalLM
 
 Tensor = torch.Tensor
@@ -238,11 +239,10 @@ class _Caches:
 _DECODE_ATTENTION = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
-@torch.no_grad()
-@sdpa_kernel(_DECODE_ATTENTION)
 def generate(
     model: LoopLMForCausalLM,
     prompts: Sequence[Sequence[int]],
+    options: InferenceOptions = InferenceOptions(),
     *,
     n: int = 1,
     temperature: float = 1.0,
@@ -251,32 +251,45 @@ def generate(
     seed: int | Sequence[int] | None = None,
     eos_token_id: int | Sequence[int] | None = None,
     stop: Sequence[Sequence[int]] | None = None,
-    prefill_chunk_size: int = 1,
-    kv_sharing: str | None = None,
-    share_prompt: bool = False,
     callback: Callable[[int], None] | None = None,
     max_cache_bytes: int | None = None,
     allow_beyond_max_positions: bool = False,
 ) -> GenerationResult:
     """Sample `n` continuations of every prompt (lists of token ids). See module docstring.
 
-    kv_sharing ("first" | "last", LoopLM only) runs the untrained KV-sharing baselines;
-    share_prompt=False is their "w/ prefill" form (the prompt keeps Ouro's per-loop cache).
+    `options` is how the model runs (validated when built): its loops (None: the config's), the
+    untrained KV-sharing baselines (kv_sharing "first" | "last", LoopLM only; share_prompt=False is
+    their "w/ prefill" form, the prompt keeping Ouro's per-loop cache) and the prompt chunk. The
+    sampling of this call is its own arguments, as vLLM splits an engine from its SamplingParams
+    (`options.sampling` is the harness's run-level setting, read by the LightEval model).
     `callback(k)` is called after each decoding step with the number of new tokens.
     `max_cache_bytes` bounds the cache (default: `default_cache_budget`); rows that do not fit
     together run in waves, with the same results.
     """
     if not isinstance(model, LoopLMForCausalLM):
         raise TypeError("the native engine runs LoopLM and MELT models; use transformers' generate for others")
-    if kv_sharing not in KV_SHARING:
-        raise ValueError(f"kv_sharing must be one of {KV_SHARING}, got {kv_sharing!r}")
-    if kv_sharing and isinstance(model, MeltForCausalLM):
+    if options.kv_sharing and isinstance(model, MeltForCausalLM):
         raise ValueError("kv_sharing applies to LoopLM (Ouro) models; MELT always shares its KV cache")
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt needs at least one token")
-    if prefill_chunk_size < 1:
-        raise ValueError("prefill_chunk_size must be >= 1")
     check_sampling(n=n, temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens)
+    loops = model.config.total_ut_steps
+    if options.loops is not None:
+        model.config.total_ut_steps = options.loops  # for this call only
+    try:
+        return _generate(model, prompts, options, n=n, temperature=temperature, top_p=top_p,
+                         max_new_tokens=max_new_tokens, seed=seed, eos_token_id=eos_token_id, stop=stop,
+                         callback=callback, max_cache_bytes=max_cache_bytes,
+                         allow_beyond_max_positions=allow_beyond_max_positions)
+    finally:
+        model.config.total_ut_steps = loops
+
+
+@torch.no_grad()
+@sdpa_kernel(_DECODE_ATTENTION)
+def _generate(model, prompts, options: InferenceOptions, *, n, temperature, top_p, max_new_tokens, seed, eos_token_id,
+              stop, callback, max_cache_bytes, allow_beyond_max_positions) -> GenerationResult:
+    kv_sharing, share_prompt = options.kv_sharing, options.share_prompt
 
     device, dtype = model.lm_head.weight.device, model.lm_head.weight.dtype
     num_prompts = len(prompts)
@@ -317,7 +330,7 @@ def generate(
         seqs, lps, fins = _decode_wave(
             model, caches, [(prompts[i], k) for i, k in groups], generators, p_max=p_max,
             max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, eos=eos, stops=stops,
-            prefill_chunk_size=prefill_chunk_size, kv_sharing=kv_sharing, share_prompt=share_prompt, callback=callback,
+            prefill_chunk=options.prefill_chunk, kv_sharing=kv_sharing, share_prompt=share_prompt, callback=callback,
         )
         del caches
         sequences += seqs
@@ -337,11 +350,11 @@ def generate(
 
 
 def _decode_wave(model, caches: _Caches, groups, generators, *, p_max, max_new_tokens, temperature, top_p, eos, stops,
-                 prefill_chunk_size, kv_sharing, share_prompt, callback):
+                 prefill_chunk, kv_sharing, share_prompt, callback):
     """Prefill and decode one wave: `groups` is [(prompt, rows of that prompt)], rows consecutive."""
     device = model.lm_head.weight.device
     shared_prompt = kv_sharing is None or share_prompt
-    chunk = prefill_chunk_size if (isinstance(model, MeltForCausalLM) or (kv_sharing and share_prompt)) else None
+    chunk = prefill_chunk if (isinstance(model, MeltForCausalLM) or (kv_sharing and share_prompt)) else None
     rows = sum(k for _, k in groups)
 
     # Prefill: each prompt alone, into the first of its rows, then copied to the others.

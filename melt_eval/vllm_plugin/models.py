@@ -49,6 +49,7 @@ from vllm.model_executor.layers.rotary_embedding import get_rope
 from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 from vllm.model_executor.model_loader.weight_utils import default_weight_loader
 
+from melt_eval.modeling.looplm import KV_SHARING
 from melt_eval.modeling.melt import LEARNED_GATES
 from melt_eval.vllm_plugin import KV_SHARING_KEY
 
@@ -68,8 +69,8 @@ def gate_kind(config) -> str | None:
         if sharing is not None:
             raise ValueError("kv_sharing applies to LoopLM (Ouro) models; MELT always shares its KV cache")
         return config.gate
-    if sharing not in (None, "first", "last"):
-        raise ValueError(f"kv_sharing must be None, 'first' or 'last', got {sharing!r}")
+    if sharing not in KV_SHARING:
+        raise ValueError(f"kv_sharing must be one of {KV_SHARING}, got {sharing!r}")
     return sharing
 
 
