@@ -88,7 +88,7 @@ def test_prompts_are_built_by_lightevals_prompt_manager_with_the_chat_template()
     from melt_eval.evaluation.hle import hle_prompt
     from melt_eval.evaluation.lighteval_model import CompletionStore, HarnessModel, ReplayBackend, SamplingSettings
     from melt_eval.modeling.loading import load_tokenizer
-    from melt_eval.registry import resolve_model_dir
+    from melt_eval.modeling.loading import resolve_model_dir
 
     tok = load_tokenizer(resolve_model_dir("tiny-random-melt"))
     model = HarnessModel("m", tok, ReplayBackend(), SamplingSettings(1, 1.0, 0.7, 8, 0), CompletionStore(Path("/nonexistent")))

@@ -266,8 +266,8 @@ class LoadedModel:
         import torch
 
         from melt_eval.modeling import LoopLMForCausalLM, load_model
-        from melt_eval.modeling.loading import checkpoint_model_type, load_tokenizer
-        from melt_eval.registry import MODELS, resolve_model_dir
+        from melt_eval.modeling.loading import checkpoint_model_type, load_tokenizer, resolve_model_dir
+        from melt_eval.registry import MODELS
 
         if backend not in BACKENDS:
             raise UserError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")

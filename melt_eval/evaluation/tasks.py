@@ -28,7 +28,7 @@ from lighteval.tasks.tasks.math_500 import MATH_QUERY_TEMPLATE
 from lighteval.tasks.tasks.mmlu_redux import _MMLU_REDUX_2_SUBSETS as MMLU_REDUX_SUBJECTS
 from lighteval.tasks.tasks.mmlu_redux import mmlu_redux_2_prompt
 
-from melt_eval.training import synthetic
+from melt_eval import synthetic
 
 PAPER_MAX_NEW_TOKENS = 32768
 
@@ -152,7 +152,7 @@ SPECS: dict[str, TaskSpec] = {
         TaskSpec("humaneval", "openai/openai_humaneval", "default", "test", 1, "code", num_problems=164,
                  note="unit tests run in a sandboxed child process (no network, time/CPU/memory/output limits)"),
         TaskSpec("synthetic", None, "default", "test", 16, "math", max_new_tokens=16, num_problems=200,
-                 note="built in: variable tracking with small arithmetic (melt_eval.training.synthetic)"),
+                 note="built in: variable tracking with small arithmetic (melt_eval.synthetic)"),
     ]
 }
 

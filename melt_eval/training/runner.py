@@ -94,8 +94,7 @@ def _read_meta(run_dir: Path) -> dict | str | None:
 def build_models(recipe: Recipe):
     """(student, teacher or None, tokenizer, provenance dict) for the recipe."""
     from melt_eval.modeling import LoopLMConfig, LoopLMForCausalLM, MeltForCausalLM, load_model
-    from melt_eval.modeling.loading import checkpoint_model_type, load_tokenizer
-    from melt_eval.registry import resolve_model_dir
+    from melt_eval.modeling.loading import checkpoint_model_type, load_tokenizer, resolve_model_dir
 
     if not recipe.from_model:
         raise UserError("no starting model: pass --from MODEL (a registry name or checkpoint directory)")
@@ -617,7 +616,7 @@ def _stop_nonfinite(what: str, step: int, parts: dict, last_good: Path | None, o
 
 def _export(accelerator, model, tokenizer, output: Path, meta: dict) -> None:
     """The final model in HF format, loadable by MeltForCausalLM/LoopLMForCausalLM.from_pretrained."""
-    from melt_eval.modeling.loading import quiet_transformers
+    from melt_eval.modeling.quiet import quiet_transformers
 
     accelerator.wait_for_everyone()
     state_dict = accelerator.get_state_dict(model)
