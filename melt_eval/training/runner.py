@@ -1,7 +1,7 @@
 """The one recipe runner: MELT phase 1/2, the ablation rows, and plain LoopLM training.
 
 Built on Hugging Face Accelerate, so the same code runs on a CPU, one GPU, or many GPUs
-and nodes under `accelerate launch` (recipes/accelerate/fsdp.yaml). Accelerate owns
+and nodes under `accelerate launch` (melt_eval/recipes/accelerate/fsdp.yaml). Accelerate owns
 device placement, mixed precision, gradient synchronisation and the resumable state;
 this file owns the MELT-specific parts: the student/teacher pair, alpha, the objective,
 gradient accumulation to the recipe's token batch, logging and checkpoints.
@@ -174,7 +174,7 @@ def code_version() -> dict:
     out = {}
     try:
         out["git_sha"] = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10).stdout.strip() or None
-        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--", "melt_eval", "recipes"], capture_output=True, text=True, timeout=10).stdout
+        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--", "melt_eval"], capture_output=True, text=True, timeout=10).stdout
         out["git_dirty"] = bool(dirty.strip())
     except (OSError, subprocess.SubprocessError):
         out["git_sha"] = None
