@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from melt_eval.errors import UserError
+from melt_eval.kv_bytes import kv_cache_bytes
 
 
 @dataclass(frozen=True)
@@ -48,7 +49,8 @@ class ModelSpec:
         """bf16 KV bytes per token: 2 (K and V) x entries x layers x kv_heads x head_dim x 2 bytes."""
         if self.paper_vllm_kv_bytes_per_token is not None:
             return self.paper_vllm_kv_bytes_per_token
-        return 2 * self.kv_entries_per_layer * self.num_layers * self.num_kv_heads * self.head_dim * 2
+        return kv_cache_bytes(layers=self.num_layers, kv_heads=self.num_kv_heads, head_dim=self.head_dim,
+                              loops=self.kv_entries_per_layer)
 
     @property
     def kv_source(self) -> str:
