@@ -1,6 +1,6 @@
 """Known models: where each comes from and the architecture facts the memory table uses.
 
-A name resolves to a local checkpoint directory: Hub models through `huggingface_hub`
+`melt_eval.modeling.loading.resolve_model_dir` turns a name into a local checkpoint directory: Hub models through `huggingface_hub`
 (cached; works with HF_HUB_OFFLINE=1 once downloaded), `tiny-random-*` models are built
 locally and deterministically on first use, `melt-1.6b` is whatever `melt-eval train`
 wrote (set MELT_EVAL_MELT_1_6B or pass the checkpoint path). Any existing directory
@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from melt_eval.errors import UserError
+from melt_eval.kv_bytes import kv_cache_bytes
 
 
 @dataclass(frozen=True)
@@ -48,7 +49,8 @@ class ModelSpec:
         """bf16 KV bytes per token: 2 (K and V) x entries x layers x kv_heads x head_dim x 2 bytes."""
         if self.paper_vllm_kv_bytes_per_token is not None:
             return self.paper_vllm_kv_bytes_per_token
-        return 2 * self.kv_entries_per_layer * self.num_layers * self.num_kv_heads * self.head_dim * 2
+        return kv_cache_bytes(layers=self.num_layers, kv_heads=self.num_kv_heads, head_dim=self.head_dim,
+                              loops=self.kv_entries_per_layer)
 
     @property
     def kv_source(self) -> str:
@@ -139,35 +141,4 @@ def get_spec(name: str) -> ModelSpec:
     except KeyError:
         raise UserError(
             f"unknown model {name!r}; known models: {', '.join(MODELS)} (or pass a checkpoint directory)"
-        ) from None
-
-
-def resolve_model_dir(name_or_path: str) -> Path:
-    """Return a local checkpoint directory for a registry name or a path."""
-    path = Path(name_or_path).expanduser()
-    if path.is_dir():
-        return path
-    if name_or_path not in MODELS and ("/" in name_or_path or name_or_path.startswith(".")):
-        raise UserError(f"checkpoint directory {name_or_path!r} does not exist; pass an existing directory or a model name")
-    spec = get_spec(name_or_path)
-    if spec.tiny:
-        from melt_eval.modeling.tiny import build_tiny_model
-
-        return build_tiny_model(spec.name, cache_home() / "models")
-    if spec.name == "melt-1.6b":
-        env = os.environ.get("MELT_EVAL_MELT_1_6B")
-        if env and Path(env).is_dir():
-            return Path(env)
-        raise UserError(
-            "melt-1.6b is not released: train it with `melt-eval train --recipe paper-phase1 --from "
-            "ouro-1.4b-thinking ...` (then paper-phase2) and pass the output directory, or set MELT_EVAL_MELT_1_6B"
-        )
-    from huggingface_hub import snapshot_download
-
-    try:
-        return Path(snapshot_download(spec.hub_id, allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja"]))
-    except Exception as exc:  # offline, gated, or missing
-        raise UserError(
-            f"could not fetch {spec.hub_id} from the Hugging Face Hub ({type(exc).__name__}); "
-            "download it where the Hub is reachable and pass its directory instead"
         ) from None

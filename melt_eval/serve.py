@@ -47,8 +47,8 @@ def serve_command(model: str, *, host: str | None = None, port: int = 8000, serv
                   extra: list[str] | None = None, on_cpu: bool | None = None) -> list[str]:
     """The vLLM server command line for `model` (registry name or checkpoint directory)."""
     from melt_eval.generation.options import check_kv_sharing
-    from melt_eval.modeling.loading import checkpoint_model_type
-    from melt_eval.registry import MODELS, resolve_model_dir
+    from melt_eval.modeling.loading import checkpoint_model_type, resolve_model_dir
+    from melt_eval.registry import MODELS
     from melt_eval.vllm_plugin import KV_SHARING_KEY, PREFILL_CHUNK_KEY
 
     model_dir = resolve_model_dir(model)

@@ -34,3 +34,41 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="session")
+def random_looplm():
+    """make(std, dtype=float32, **dims): a tiny LoopLM (the tiny tokenizer, seed 0) whose weight matrices are
+    redrawn from N(0, std), larger than the 0.02 init, so that loops, gates and rows really differ."""
+    import torch
+
+    from melt_eval.modeling.tiny import build_tokenizer, make_tiny_looplm
+
+    def make(std: float, dtype=torch.float32, **dims):
+        model = make_tiny_looplm(build_tokenizer(), **dims).to(dtype)
+        with torch.no_grad():
+            for p in model.parameters():
+                if p.dim() == 2:
+                    p.normal_(0, std)
+        return model.eval()
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def training_batch():
+    """make(length, pad_from, loss_from): two rows of random ids (seed 0); row 1 is right-padded from
+    `pad_from`; the loss covers row 0 from loss_from[0] to its end and row 1 from loss_from[1] to its padding."""
+    import torch
+
+    def make(length: int, pad_from: int, loss_from: tuple[int, int]) -> dict:
+        g = torch.Generator().manual_seed(0)
+        ids = torch.randint(5, 500, (2, length), generator=g)
+        attn = torch.ones(2, length, dtype=torch.bool)
+        attn[1, pad_from:] = False
+        loss = torch.zeros(2, length, dtype=torch.bool)
+        loss[0, loss_from[0]:] = True
+        loss[1, loss_from[1]:pad_from] = True
+        return {"input_ids": ids, "attention_mask": attn, "loss_mask": loss}
+
+    return make

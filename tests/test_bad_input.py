@@ -256,7 +256,7 @@ def test_task_names_are_never_read_as_paths(finished_run, tmp_path, monkeypatch)
 
 
 def test_model_dot_runs_under_the_checkpoint_directory_name(tmp_path, monkeypatch):
-    from melt_eval.registry import resolve_model_dir
+    from melt_eval.modeling.loading import resolve_model_dir
 
     ckpt = tmp_path / "my-ckpt"
     shutil.copytree(resolve_model_dir("tiny-random-melt"), ckpt)

@@ -230,7 +230,7 @@ def test_bad_endpoint_options_are_user_errors(tmp_path, backend, loops, message)
 
 
 def test_serve_command_translates_harness_options_to_vllm():
-    from melt_eval.registry import resolve_model_dir
+    from melt_eval.modeling.loading import resolve_model_dir
     from melt_eval.serve import serve_command
 
     cmd = serve_command("tiny-random-melt", port=8123, loops=2, prefill_chunk=4, dtype="bfloat16",

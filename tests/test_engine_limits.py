@@ -17,7 +17,6 @@ from melt_eval.generation.engine import (
 )
 from melt_eval.generation.options import InferenceOptions
 from melt_eval.modeling import LoopLMConfig, LoopLMForCausalLM, MeltConfig, MeltForCausalLM
-from melt_eval.modeling.tiny import build_tokenizer, make_tiny_looplm
 
 from helpers import main_exit_code as _main
 
@@ -25,13 +24,8 @@ PROMPTS = [[3, 4, 5, 6, 7], [9, 10], [11, 12, 13]]
 
 
 @pytest.fixture(scope="module")
-def looplm():
-    model = make_tiny_looplm(build_tokenizer(), num_hidden_layers=2, num_attention_heads=2, head_dim=32)
-    with torch.no_grad():  # larger weights than the init, so that samples differ between rows
-        for p in model.parameters():
-            if p.dim() == 2:
-                p.normal_(0, 0.08)
-    return model.eval()
+def looplm(random_looplm):
+    return random_looplm(0.08, num_hidden_layers=2, num_attention_heads=2, head_dim=32)  # samples differ between rows
 
 
 @pytest.fixture(scope="module")

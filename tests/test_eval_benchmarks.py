@@ -67,7 +67,7 @@ def test_lighteval_pass_at_k_is_the_unbiased_estimator():
 def test_score_reports_the_mean_of_per_problem_pass_at_k(tmp_path):
     """End to end through `score` (16 samples, pass@1 and pass@10) with random numbers correct per problem."""
     from melt_eval.evaluation.tasks import SYNTHETIC_TEST
-    from melt_eval.training import synthetic
+    from melt_eval import synthetic
 
     rows = synthetic.make_split("test", **SYNTHETIC_TEST)
     rng = random.Random(1)

@@ -13,7 +13,7 @@ from melt_eval.errors import UserError
 from melt_eval.evaluation import BackendSettings, RunPaths, lighteval_model, run_tasks, score_completions
 from melt_eval.generation.options import InferenceOptions, Sampling
 from melt_eval.evaluation.tasks import SYNTHETIC_TEST
-from melt_eval.training import synthetic
+from melt_eval import synthetic
 
 from helpers import main_exit_code as _main
 
@@ -313,7 +313,7 @@ def test_vllm_backend_runs_the_harness(tmp_path):
 def test_checkpoint_directory_runs_under_its_directory_name(tmp_path):
     import shutil
 
-    from melt_eval.registry import resolve_model_dir
+    from melt_eval.modeling.loading import resolve_model_dir
 
     ckpt = tmp_path / "my-llama"
     shutil.copytree(resolve_model_dir("tiny-random-llama"), ckpt)

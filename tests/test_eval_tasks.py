@@ -89,7 +89,7 @@ def test_prompts_are_built_by_lightevals_prompt_manager_with_the_chat_template()
     from melt_eval.evaluation.lighteval_model import CompletionStore, HarnessModel, ReplayBackend
     from melt_eval.generation.options import InferenceOptions, Sampling
     from melt_eval.modeling.loading import load_tokenizer
-    from melt_eval.registry import resolve_model_dir
+    from melt_eval.modeling.loading import resolve_model_dir
 
     tok = load_tokenizer(resolve_model_dir("tiny-random-melt"))
     model = HarnessModel("m", tok, ReplayBackend(), InferenceOptions(sampling=Sampling(1, 1.0, 0.7, 8, 0)),

@@ -11,7 +11,7 @@ from safetensors.torch import load_file, save_file
 
 from melt_eval.errors import UserError
 from melt_eval.modeling import load_model
-from melt_eval.registry import resolve_model_dir
+from melt_eval.modeling.loading import resolve_model_dir
 
 from helpers import main_exit_code as _main
 

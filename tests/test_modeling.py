@@ -12,22 +12,15 @@ from melt_eval.generation import generate
 from melt_eval.generation.options import InferenceOptions
 from melt_eval.modeling import GATES, LoopLMConfig, LoopLMForCausalLM, MeltConfig, MeltForCausalLM, load_model
 from melt_eval.modeling.loading import load_looped
-from melt_eval.modeling.tiny import build_tokenizer, make_tiny_looplm
 from melt_eval.registry import melt_gate_params
 
 ATOL = 1e-5
 
 
 @pytest.fixture(scope="module")
-def looplm():
-    torch.manual_seed(0)
+def looplm(random_looplm):
     # a slightly deeper stack than the registry's tiny model, with GQA, to exercise more paths
-    model = make_tiny_looplm(build_tokenizer(), num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=32)
-    with torch.no_grad():  # larger weights than the 0.02 init, so variants really differ
-        for p in model.parameters():
-            if p.dim() == 2:
-                p.normal_(0, 0.08)
-    return model.eval()
+    return random_looplm(0.08, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=32)
 
 
 @pytest.fixture(scope="module")

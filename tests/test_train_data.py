@@ -6,7 +6,7 @@ import pytest
 
 from melt_eval.errors import UserError
 from melt_eval.modeling.tiny import build_tokenizer
-from melt_eval.training import synthetic
+from melt_eval import synthetic
 from melt_eval.training.data import DataStream, collate, encode_chat, to_messages
 
 

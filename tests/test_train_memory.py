@@ -8,7 +8,6 @@ import pytest
 import torch
 
 from melt_eval.modeling import GATES, MeltForCausalLM
-from melt_eval.modeling.tiny import build_tokenizer, make_tiny_looplm
 from melt_eval.training import load_recipe
 from melt_eval.training.losses import align_loss, kd_loss, sft_loss
 from melt_eval.training.runner import forward_objective
@@ -22,27 +21,14 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
-def looplm():
-    torch.manual_seed(0)
-    model = make_tiny_looplm(build_tokenizer(), num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                             head_dim=16, hidden_size=64, intermediate_size=96, loops=3).double()
-    with torch.no_grad():  # larger than the init, so loops and variants really differ
-        for p in model.parameters():
-            if p.dim() == 2:
-                p.normal_(0, 0.1)
-    return model.eval()
+def looplm(random_looplm):
+    return random_looplm(0.1, torch.float64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         head_dim=16, hidden_size=64, intermediate_size=96, loops=3)
 
 
 @pytest.fixture(scope="module")
-def batch():
-    g = torch.Generator().manual_seed(0)
-    ids = torch.randint(5, 500, (2, L), generator=g)
-    attn = torch.ones(2, L, dtype=torch.bool)
-    attn[1, 8:] = False  # right padding
-    loss = torch.zeros(2, L, dtype=torch.bool)
-    loss[0, 4:] = True
-    loss[1, 3:8] = True
-    return {"input_ids": ids, "attention_mask": attn, "loss_mask": loss}
+def batch(training_batch):
+    return training_batch(L, pad_from=8, loss_from=(4, 3))
 
 
 def reference_loss(student, teacher, batch, C, alpha, align_beta):

@@ -7,7 +7,6 @@ import torch
 
 from melt_eval.errors import UserError
 from melt_eval.modeling import MeltForCausalLM
-from melt_eval.modeling.tiny import build_tokenizer, make_tiny_looplm
 from melt_eval.training import GATE_VARIANTS, LADDER, load_recipe
 from melt_eval.training.ladder import plan
 from melt_eval.training.losses import align_loss, generalized_jsd, kd_loss, sft_loss
@@ -18,25 +17,13 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
-def looplm():
-    model = make_tiny_looplm(build_tokenizer(), num_hidden_layers=2)
-    with torch.no_grad():  # larger than the 0.02 init, so MELT and the LoopLM really differ
-        for p in model.parameters():
-            if p.dim() == 2:
-                p.normal_(0, 0.08)
-    return model.eval()
+def looplm(random_looplm):
+    return random_looplm(0.08, num_hidden_layers=2)  # MELT and the LoopLM really differ
 
 
 @pytest.fixture(scope="module")
-def batch():
-    g = torch.Generator().manual_seed(0)
-    ids = torch.randint(5, 500, (2, 20), generator=g)
-    attn = torch.ones(2, 20, dtype=torch.bool)
-    attn[1, 15:] = False  # right padding
-    loss = torch.zeros(2, 20, dtype=torch.bool)
-    loss[0, 8:] = True
-    loss[1, 10:15] = True
-    return {"input_ids": ids, "attention_mask": attn, "loss_mask": loss}
+def batch(training_batch):
+    return training_batch(20, pad_from=15, loss_from=(8, 10))
 
 
 def counts(batch):

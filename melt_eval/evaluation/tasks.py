@@ -38,7 +38,7 @@ from lighteval.tasks.tasks.mmlu_redux import mmlu_redux_2_prompt
 
 from melt_eval.evaluation.code import extract_code, humaneval_prompt, humaneval_score
 from melt_eval.evaluation.hle import final_answer, hle_prompt, hle_score, select_subset
-from melt_eval.training import synthetic
+from melt_eval import synthetic
 
 PAPER_MAX_NEW_TOKENS = 32768
 
@@ -234,7 +234,7 @@ SPECS: dict[str, TaskSpec] = {
                  note="unit tests run in a sandboxed child process (no network, time/CPU/memory/output limits)"),
         TaskSpec("synthetic", None, "default", "test", 16, "math",
                  prompt=synthetic_prompt, metrics=math_pass_at_k, extract=lighteval_answer, max_new_tokens=16,
-                 num_problems=200, note="built in: variable tracking with small arithmetic (melt_eval.training.synthetic)"),
+                 num_problems=200, note="built in: variable tracking with small arithmetic (melt_eval.synthetic)"),
     ]
 }
 

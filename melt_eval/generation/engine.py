@@ -32,6 +32,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from melt_eval.errors import UserError
 from melt_eval.generation.options import InferenceOptions
+from melt_eval.kv_bytes import kv_cache_bytes
 from melt_eval.modeling.kv_cache import PerLoopKV, PromptPerLoopThenSharedKV, StaticStore
 from melt_eval.modeling.looplm import LoopLMForCausalLM
 from melt_eval.modeling.melt import MeltForCausalLM
@@ -131,14 +132,15 @@ def cache_bytes_per_row(model, prompt_tokens: int, max_new_tokens: int, *, kv_sh
     cfg = model.config
     T, N = cfg.total_ut_steps, cfg.num_hidden_layers
     dtype = dtype or model.lm_head.weight.dtype
-    per_entry = 2 * cfg.num_key_value_heads * cfg.head_dim * torch.empty((), dtype=dtype).element_size()  # K and V
     if _shared_cache(model, kv_sharing, share_prompt):
-        entries = N * (prompt_tokens + max_new_tokens)
+        sharing = "shared"
     elif kv_sharing is not None:  # "w/ prefill": per-loop prompt, shared generated tokens
-        entries = T * N * prompt_tokens + N * max_new_tokens
+        sharing = "generated"
     else:
-        entries = T * N * (prompt_tokens + max_new_tokens)
-    return entries * per_entry
+        sharing = "per_loop"
+    return kv_cache_bytes(layers=N, kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim, loops=T,
+                          tokens=prompt_tokens + max_new_tokens, prompt_tokens=prompt_tokens, sharing=sharing,
+                          bytes_per_value=torch.empty((), dtype=dtype).element_size())
 
 
 def check_sampling(*, n: int = 1, temperature: float, top_p: float, max_new_tokens: int) -> None:

@@ -70,8 +70,7 @@ class VllmGenerator:
         seed: int = 0,
         enforce_eager: bool | None = None,
     ) -> None:
-        from melt_eval.modeling.loading import checkpoint_model_type
-        from melt_eval.registry import resolve_model_dir
+        from melt_eval.modeling.loading import checkpoint_model_type, resolve_model_dir
 
         self.model_dir = resolve_model_dir(str(model_path))
         model_type = checkpoint_model_type(self.model_dir)

@@ -3,27 +3,18 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
-import contextlib
-
 import torch
-from transformers.utils import logging as hf_logging
 
 from melt_eval.errors import UserError
 from melt_eval.jsonio import read_json
-
-
-@contextlib.contextmanager
-def quiet_transformers():
-    """Hide transformers' per-shard progress bars: the harness shows its own progress."""
-    enabled = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()
-    try:
-        yield
-    finally:
-        if enabled:
-            hf_logging.enable_progress_bar()
+from melt_eval.modeling.looplm import LoopLMForCausalLM
+from melt_eval.modeling.melt import MeltForCausalLM
+from melt_eval.modeling.quiet import quiet_transformers
+from melt_eval.modeling.tiny import build_tiny_model
+from melt_eval.registry import MODELS, cache_home, get_spec
 
 
 LOOPED_TYPES = ("ouro", "melt")
@@ -160,8 +151,6 @@ def _first_line(exc: BaseException) -> str:
 
 def load_looped(model_dir: Path, dtype=torch.float32, device="cpu"):
     """Load an "ouro" or "melt" checkpoint strictly: every tensor present and used, every shape right."""
-    from melt_eval.modeling import LoopLMForCausalLM, MeltForCausalLM
-
     cls = MeltForCausalLM if checkpoint_model_type(model_dir) == "melt" else LoopLMForCausalLM
     if not any(Path(model_dir).glob("*.safetensors")):
         raise UserError(f"{model_dir} has no *.safetensors weights; pass a complete checkpoint directory")
@@ -188,11 +177,38 @@ def load_tokenizer(model_dir: Path):
                         f"{_first_line(exc)}; fix or re-download those files") from None
 
 
+def resolve_model_dir(name_or_path: str) -> Path:
+    """Return a local checkpoint directory for a registry name or a path."""
+    path = Path(name_or_path).expanduser()
+    if path.is_dir():
+        return path
+    if name_or_path not in MODELS and ("/" in name_or_path or name_or_path.startswith(".")):
+        raise UserError(f"checkpoint directory {name_or_path!r} does not exist; pass an existing directory or a model name")
+    spec = get_spec(name_or_path)
+    if spec.tiny:
+        return build_tiny_model(spec.name, cache_home() / "models")
+    if spec.name == "melt-1.6b":
+        env = os.environ.get("MELT_EVAL_MELT_1_6B")
+        if env and Path(env).is_dir():
+            return Path(env)
+        raise UserError(
+            "melt-1.6b is not released: train it with `melt-eval train --recipe paper-phase1 --from "
+            "ouro-1.4b-thinking ...` (then paper-phase2) and pass the output directory, or set MELT_EVAL_MELT_1_6B"
+        )
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(spec.hub_id, allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja"]))
+    except Exception as exc:  # offline, gated, or missing
+        raise UserError(
+            f"could not fetch {spec.hub_id} from the Hugging Face Hub ({type(exc).__name__}); "
+            "download it where the Hub is reachable and pass its directory instead"
+        ) from None
+
+
 def load_model(name_or_path: str | Path, dtype=torch.float32, device="cpu"):
     """(model, tokenizer) for a registry name or a checkpoint directory; the checkpoint is checked first
     (config.json, every weights file, config and weights agreeing), so a broken one is a UserError."""
-    from melt_eval.registry import resolve_model_dir
-
     model_dir = resolve_model_dir(str(name_or_path))
     if checkpoint_model_type(model_dir) in LOOPED_TYPES:
         model = load_looped(model_dir, dtype=dtype, device=device)

@@ -95,14 +95,18 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
 
+def rope_inv_freq(config: LoopLMConfig) -> Tensor:
+    """RoPE's inverse frequencies theta^(-2i/d), i < d/2 (d = head_dim; vLLM's default get_rope uses the same)."""
+    dim = config.head_dim
+    return 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+
+
 class RotaryEmbedding(nn.Module):
     """RoPE with HF Llama's rotate-half convention."""
 
     def __init__(self, config: LoopLMConfig) -> None:
         super().__init__()
-        dim = config.head_dim
-        inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
 
     def forward(self, position_ids: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         freqs = position_ids[..., None].float() * self.inv_freq.float()  # [B, c, dim/2]
@@ -307,8 +311,7 @@ class LoopLMPreTrainedModel(PreTrainedModel):
         elif isinstance(module, RMSNorm):
             nn.init.ones_(module.weight)
         elif isinstance(module, RotaryEmbedding):
-            dim = self.config.head_dim
-            module.inv_freq.copy_(1.0 / (self.config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)))
+            module.inv_freq.copy_(rope_inv_freq(self.config))
 
 
 class LoopLMForCausalLM(LoopLMPreTrainedModel):

@@ -43,8 +43,21 @@ class MeltConfig(LoopLMConfig):
         super().__post_init__(**kwargs)
 
 
+def gate_update(gate, h_prev: Tensor, a: Tensor, loop: int) -> tuple[Tensor, Tensor | float]:
+    """(h_t, z_t) with h_t = z_t * h_{t-1} + (1 - z_t) * a_t, for loop t >= 2 (the table above).
+
+    `gate` has `.kind`, `.ema_decay` and, for the learned gates, `.logits(h_prev, a)` giving
+    a_t W_z + h_{t-1} U_z + b_z: the native MeltGate and the vLLM plugin's Gate both use this one rule.
+    """
+    if gate.kind in LEARNED_GATES:
+        z = torch.sigmoid(gate.logits(h_prev, a))
+    else:
+        z = {"ema": gate.ema_decay, "mean": (loop - 1) / loop, "last": 0.0, "first": 1.0}[gate.kind]
+    return z * h_prev + (1 - z) * a, z
+
+
 class MeltGate(nn.Module):
-    """z_t from the attention input a_t and the previous state h_{t-1}."""
+    """The parameters of z_t (W_z, U_z, b_z for the learned gates); `gate_update` applies it."""
 
     def __init__(self, config: MeltConfig) -> None:
         super().__init__()
@@ -56,10 +69,8 @@ class MeltGate(nn.Module):
             self.h_proj = nn.Linear(d, out, bias=False)  # U_z (u_z)
             self.bias = nn.Parameter(torch.zeros(out))  # b_z
 
-    def forward(self, h_prev: Tensor, a: Tensor, loop: int) -> Tensor | float:
-        if self.kind in LEARNED_GATES:
-            return torch.sigmoid(self.a_proj(a) + self.h_proj(h_prev) + self.bias)
-        return {"ema": self.ema_decay, "mean": (loop - 1) / loop, "last": 0.0, "first": 1.0}[self.kind]
+    def logits(self, h_prev: Tensor, a: Tensor) -> Tensor:
+        return self.a_proj(a) + self.h_proj(h_prev) + self.bias
 
 
 class MeltDecoderLayer(LoopLMDecoderLayer):
@@ -68,8 +79,7 @@ class MeltDecoderLayer(LoopLMDecoderLayer):
         self.melt_gate = MeltGate(config)
 
     def update_state(self, h_prev: Tensor, a: Tensor, loop: int, kv_sharing=None) -> tuple[Tensor, Tensor | float]:
-        z = self.melt_gate(h_prev, a, loop)
-        return z * h_prev + (1 - z) * a, z
+        return gate_update(self.melt_gate, h_prev, a, loop)
 
 
 class MeltForCausalLM(LoopLMForCausalLM):

@@ -19,6 +19,11 @@ from pathlib import Path
 
 import torch
 
+from melt_eval.modeling.looplm import LoopLMConfig, LoopLMForCausalLM
+from melt_eval.modeling.melt import MeltForCausalLM
+from melt_eval.modeling.quiet import quiet_transformers
+from melt_eval.synthetic import make_split
+
 BUILD_VERSION = 2  # bump when a builder changes, so cached copies are rebuilt
 SEED = 0
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|pad|>"]
@@ -47,8 +52,6 @@ def _corpus(n_lines: int = 4000) -> list[str]:
         lines.append(f"x = {a}; y = x + {b}; z = y * 2. What is z? \\boxed{{{2 * (a + b)}}}")
     # The demo's synthetic task in its chat form (train split only), so that its problems and the
     # template's role names take few tokens: training and decoding cost grow with the length.
-    from melt_eval.training.synthetic import make_split
-
     for item in make_split("train", n_lines // 2, seed=SEED, num_steps=(1, 3)):
         lines.append(CHAT_TEMPLATE_TEXT.format(problem=item["problem"], answer=item["answer"]))
     return lines
@@ -88,8 +91,6 @@ def _ids(tok) -> dict:
 
 
 def make_tiny_looplm(tok, loops: int = 4, **dims):
-    from melt_eval.modeling import LoopLMConfig, LoopLMForCausalLM
-
     config = LoopLMConfig(
         vocab_size=len(tok), total_ut_steps=loops, max_position_embeddings=4096, rope_theta=10000.0,
         **{**TINY_DIMS, **dims}, **_ids(tok),
@@ -137,8 +138,6 @@ def build_tiny_model(name: str, root: Path) -> Path:
     target = Path(root) / name
     if _intact(target):
         return target
-    from melt_eval.modeling import MeltForCausalLM
-
     tok = build_tokenizer()
     if name == "tiny-random-ouro":
         model = make_tiny_looplm(tok)
@@ -152,8 +151,6 @@ def build_tiny_model(name: str, root: Path) -> Path:
     # leaves a half-written checkpoint behind.
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=target.parent))
-    from melt_eval.modeling.loading import quiet_transformers
-
     with quiet_transformers():
         model.save_pretrained(tmp)
     tok.save_pretrained(tmp)

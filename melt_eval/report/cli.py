@@ -9,6 +9,7 @@ from typing import Optional
 import typer
 
 from melt_eval.errors import UserError
+from melt_eval.files import write_text_atomic
 
 
 def write_report(results: Path, output: Path, *, latex: bool = True, markdown: bool = True, paper: bool = False,
@@ -48,9 +49,7 @@ def write_report(results: Path, output: Path, *, latex: bool = True, markdown: b
 
 
 def _write(path: Path, text: str) -> Path:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text, encoding="utf-8")
-    tmp.replace(path)
+    write_text_atomic(path, text)
     return path
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 from melt_eval.errors import UserError
+from melt_eval.kv_bytes import kv_cache_bytes
 from melt_eval.registry import MODELS, ModelSpec, get_spec
 from melt_eval.report.latex import tex_escape
 from melt_eval.report.paper import paper_memory
@@ -76,7 +77,7 @@ def kv_bytes_per_token(spec: ModelSpec, loops: int | None = None) -> int:
         return spec.kv_bytes_per_token  # MELT and non-looped models: one entry per (layer, token)
     if spec.num_layers is None:
         raise UserError(f"{spec.name}: KV size per loop is not derivable from its config")
-    return 2 * loops * spec.num_layers * spec.num_kv_heads * spec.head_dim * 2
+    return kv_cache_bytes(layers=spec.num_layers, kv_heads=spec.num_kv_heads, head_dim=spec.head_dim, loops=loops)
 
 
 def kv_bytes_per_token_at(model: str, model_path: str | None, loops: int | None, kv_sharing: str | None = None) -> int | None:
@@ -105,7 +106,7 @@ def kv_bytes_per_token_at(model: str, model_path: str | None, loops: int | None,
     except (OSError, ValueError, KeyError, TypeError):
         return None
     entries = (loops or int(cfg.get("total_ut_steps", 1))) if cfg.get("model_type") == "ouro" else 1
-    return 2 * entries * layers * kv_heads * head_dim * BYTES_PER_PARAM
+    return kv_cache_bytes(layers=layers, kv_heads=kv_heads, head_dim=head_dim, loops=entries, bytes_per_value=BYTES_PER_PARAM)
 
 
 def _paper_row(spec: ModelSpec) -> PaperMemory | None:

@@ -11,7 +11,7 @@ import typer
 def register(app: typer.Typer) -> None:
     @app.command("train")
     def train_cmd(
-        recipe: Optional[str] = typer.Option(None, "--recipe", "-r", help="Recipe name in recipes/ (paper-phase1, paper-phase2, tiny-phase1, tiny-phase2, pretrain-tiny) or a YAML path. Default: paper-phase<--phase>."),
+        recipe: Optional[str] = typer.Option(None, "--recipe", "-r", help="Recipe name in melt_eval/recipes/ (paper-phase1, paper-phase2, tiny-phase1, tiny-phase2, pretrain-tiny) or a YAML path. Default: paper-phase<--phase>."),
         from_model: Optional[str] = typer.Option(None, "--from", help="Starting model: a LoopLM (phase 1), a phase-1 MELT checkpoint (phase 2), or the architecture to pretrain."),
         output: Path = typer.Option(..., "--output", "-o", help="Run directory: final HF model, checkpoints, logs."),
         gate: Optional[str] = typer.Option(None, help="MELT gate when converting: elementwise, scalar, ema, mean, last, first."),

@@ -1,6 +1,6 @@
 """Training recipes: one flat dataclass, loaded from YAML, overridden by flags and `--set`.
 
-A recipe is a small YAML file in `recipes/` (or any path). Resolution order, last wins:
+A recipe is a small YAML file in `melt_eval/recipes/` (or any path). Resolution order, last wins:
 recipe file -> `--config FILE` -> `--set key=value` -> the explicit CLI switches
 (`--gate`, `--chunk-size`, ...). Every key is a field of `Recipe`; unknown keys are
 rejected with the list of valid ones, so a typo never silently falls back to a default.
@@ -19,7 +19,7 @@ import yaml
 from melt_eval.errors import UserError
 from melt_eval.jsonio import read_text
 
-RECIPES_DIR = Path(__file__).resolve().parents[2] / "recipes"
+RECIPES_DIR = Path(__file__).resolve().parents[1] / "recipes"  # package data: shipped in the wheel
 # how a run executes, not what it computes: may change on resume, left out of run identities
 EXECUTION_FIELDS = {"compile"}
 TARGETS = ("melt", "looplm")
@@ -127,7 +127,7 @@ class Recipe:
                 and all(isinstance(b, (int, float)) and not isinstance(b, bool) and 0 <= b < 1 for b in betas)):
             bad(f"adam_betas must be two numbers in [0, 1), e.g. [0.9, 0.95], got {betas!r}")
         if not self.data:
-            bad("data must list at least one source (see recipes/README.md)")
+            bad("data must list at least one source (see the recipes in melt_eval/recipes/)")
         if self.target == "looplm" and (self.kd or self.align_beta or self.interpolation_steps):
             bad("target looplm trains a plain LoopLM: set kd: false, align_beta: 0, interpolation_steps: 0")
         if self.phase == 2 and self.interpolation_steps:
@@ -204,7 +204,7 @@ def available_recipes() -> list[str]:
 
 
 def recipe_path(name: str) -> Path:
-    """A recipe name (file stem in recipes/) or a path to a YAML file."""
+    """A recipe name (file stem in melt_eval/recipes/) or a path to a YAML file."""
     path = Path(name).expanduser()
     if path.suffix in (".yaml", ".yml") and path.is_file():
         return path

@@ -4,7 +4,7 @@ A recipe's `data` is a list of sources, each a mapping with `source` and `weight
 
     - {source: hub, path: nvidia/AceReason-1.1-SFT, split: train, weight: 0.5}   # datasets streaming
     - {source: local, path: data/train.jsonl, weight: 1.0}                        # .jsonl/.json/.parquet (file or glob)
-    - {source: synthetic, n: 20000, num_steps: [1, 3], max_value: 9, target: answer}  # melt_eval.training.synthetic
+    - {source: synthetic, n: 20000, num_steps: [1, 3], max_value: 9, target: answer}  # melt_eval.synthetic
 
 Examples become chats (`to_messages` knows the schemas of AceReason-1.1-SFT, OpenThoughts3,
 "messages", "conversations", problem/solution, prompt/response), are tokenized with the
@@ -29,7 +29,7 @@ from typing import Iterator
 import torch
 
 from melt_eval.errors import UserError
-from melt_eval.training import synthetic
+from melt_eval import synthetic
 
 SOURCE_KINDS = ("hub", "local", "synthetic")
 _ROLE = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}

@@ -1,7 +1,7 @@
 """The one recipe runner: MELT phase 1/2, the ablation rows, and plain LoopLM training.
 
 Built on Hugging Face Accelerate, so the same code runs on a CPU, one GPU, or many GPUs
-and nodes under `accelerate launch` (recipes/accelerate/fsdp.yaml). Accelerate owns
+and nodes under `accelerate launch` (melt_eval/recipes/accelerate/fsdp.yaml). Accelerate owns
 device placement, mixed precision, gradient synchronisation and the resumable state;
 this file owns the MELT-specific parts: the student/teacher pair, alpha, the objective,
 gradient accumulation to the recipe's token batch, logging and checkpoints.
@@ -27,7 +27,6 @@ import json
 import math
 import os
 import shutil
-import subprocess
 import time
 from pathlib import Path
 
@@ -36,6 +35,7 @@ import yaml
 
 from melt_eval.errors import UserError
 from melt_eval.files import DirLock, fsync_dir, fsync_tree, remove_tree, write_json_atomic, write_text_atomic
+from melt_eval.provenance import git_state, package_versions
 from melt_eval.training.config import EXECUTION_FIELDS, Recipe, parse_yaml
 from melt_eval.training.data import DataStream, bucket
 from melt_eval.training.losses import objective
@@ -94,8 +94,7 @@ def _read_meta(run_dir: Path) -> dict | str | None:
 def build_models(recipe: Recipe):
     """(student, teacher or None, tokenizer, provenance dict) for the recipe."""
     from melt_eval.modeling import LoopLMConfig, LoopLMForCausalLM, MeltForCausalLM, load_model
-    from melt_eval.modeling.loading import checkpoint_model_type, load_tokenizer
-    from melt_eval.registry import resolve_model_dir
+    from melt_eval.modeling.loading import checkpoint_model_type, load_tokenizer, resolve_model_dir
 
     if not recipe.from_model:
         raise UserError("no starting model: pass --from MODEL (a registry name or checkpoint directory)")
@@ -171,19 +170,7 @@ def param_groups(model, recipe: Recipe) -> list[dict]:
 
 
 def code_version() -> dict:
-    root = Path(__file__).resolve().parents[2]
-    out = {}
-    try:
-        out["git_sha"] = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10).stdout.strip() or None
-        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--", "melt_eval", "recipes"], capture_output=True, text=True, timeout=10).stdout
-        out["git_dirty"] = bool(dirty.strip())
-    except (OSError, subprocess.SubprocessError):
-        out["git_sha"] = None
-    import accelerate
-    import transformers
-
-    out.update(torch=torch.__version__, transformers=transformers.__version__, accelerate=accelerate.__version__)
-    return out
+    return {**git_state(), **package_versions(("torch", "transformers", "accelerate"))}
 
 
 # --- checkpoints ---------------------------------------------------------------------------------
@@ -621,7 +608,7 @@ def _stop_nonfinite(what: str, step: int, parts: dict, last_good: Path | None, o
 
 def _export(accelerator, model, tokenizer, output: Path, meta: dict) -> None:
     """The final model in HF format, loadable by MeltForCausalLM/LoopLMForCausalLM.from_pretrained."""
-    from melt_eval.modeling.loading import quiet_transformers
+    from melt_eval.modeling.quiet import quiet_transformers
 
     accelerator.wait_for_everyone()
     state_dict = accelerator.get_state_dict(model)

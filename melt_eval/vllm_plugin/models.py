@@ -50,7 +50,7 @@ from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, 
 from vllm.model_executor.model_loader.weight_utils import default_weight_loader
 
 from melt_eval.modeling.looplm import KV_SHARING
-from melt_eval.modeling.melt import LEARNED_GATES
+from melt_eval.modeling.melt import LEARNED_GATES, gate_update
 from melt_eval.vllm_plugin import KV_SHARING_KEY
 
 Tensor = torch.Tensor
@@ -87,13 +87,12 @@ class Gate(nn.Module):
             self.h_proj = ReplicatedLinear(hidden_size, out, bias=False, prefix=f"{prefix}.h_proj")
             self.bias = nn.Parameter(torch.empty(out))
 
+    def logits(self, h_prev: Tensor, a: Tensor) -> Tensor:
+        return self.a_proj(a)[0] + self.h_proj(h_prev)[0] + self.bias
+
     def update(self, h_prev: Tensor, a: Tensor, loop: int) -> Tensor:
-        """h_t = z_t * h_{t-1} + (1 - z_t) * a_t for loop t >= 2."""
-        if self.kind in LEARNED_GATES:
-            z = torch.sigmoid(self.a_proj(a)[0] + self.h_proj(h_prev)[0] + self.bias)
-        else:
-            z = {"ema": self.ema_decay, "mean": (loop - 1) / loop, "last": 0.0, "first": 1.0}[self.kind]
-        return z * h_prev + (1 - z) * a
+        """h_t for loop t >= 2 by the native model's rule (modeling.melt.gate_update)."""
+        return gate_update(self, h_prev, a, loop)[0]
 
 
 class MLP(nn.Module):
