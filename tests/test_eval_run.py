@@ -187,6 +187,24 @@ def test_bad_input_is_one_line_and_leaves_nothing(tmp_path, capsys, args, messag
     assert not list(out.rglob("results.json")) if out.exists() else True
 
 
+def test_inference_options_are_checked_once_when_built():
+    """Every consumer (run_tasks, the LightEval model, generate, VllmGenerator) gets values already checked;
+    the flat flag spelling (ablations, demo) routes sampling keys to `sampling` and refuses unknown ones."""
+    options = InferenceOptions.from_flags(loops=2, kv_sharing="last", share_prompt=True, prefill_chunk=4, samples=3,
+                                          temperature=0.5, seed=7)
+    assert (options.loops, options.kv_sharing, options.prefill_chunk) == (2, "last", 4)
+    assert options.sampling == Sampling(samples=3, temperature=0.5, seed=7)
+    # the task's own sample count and length fill only what the run left open
+    task = options.for_task(samples=16, max_new_tokens=32768).sampling
+    assert (task.samples, task.max_new_tokens, task.temperature) == (3, 32768, 0.5)
+    with pytest.raises(UserError, match="--kv-sharing must be 'first' or 'last', got 'all'"):
+        InferenceOptions(kv_sharing="all")
+    with pytest.raises(UserError, match="--top-p must be in"):
+        Sampling(top_p=float("nan"))
+    with pytest.raises(TypeError):
+        InferenceOptions.from_flags(max_problems=3)  # not an inference option: run_tasks takes it
+
+
 def test_tasks_json_lists_the_protocol():
     res = runner.invoke(app, ["tasks", "--format", "json"])
     assert res.exit_code == 0
@@ -267,6 +285,11 @@ def test_run_killed_with_sigkill_resumes_to_the_same_numbers(tmp_path, monkeypat
         (["run", "synthetic", "--model", "tiny-random-llama", "--loops", "2"], "--loops applies to looped models"),
         (["run", "synthetic", "--model", "tiny-random-melt", "--top-p", "0"], "--top-p must be in (0, 1]"),
         (["run", "synthetic", "--model", "tiny-random-melt", "--backend", "tpu"], "unknown backend 'tpu'"),
+        (["run", "synthetic", "--model", "tiny-random-ouro", "--kv-sharing", "middle"],
+         "--kv-sharing must be 'first' or 'last', got 'middle'"),
+        (["run", "synthetic", "--model", "tiny-random-melt", "--prefill-chunk", "0"], "--prefill-chunk must be at least 1"),
+        (["run", "synthetic", "--model", "tiny-random-melt", "--loops", "0"], "--loops must be at least 1"),
+        (["run", "synthetic", "--model", "tiny-random-melt", "--samples", "0"], "--samples must be at least 1"),
         (["score", "synthetic", "--completions", "{tmp}/none.jsonl"], "does not exist"),
         (["score", "synthetic", "--completions", "{uneven}"], "same number"),
         (["score", "synthetic", "--completions", "{empty}"], "holds no completions"),

@@ -277,7 +277,7 @@ class LoadedModel:
         if not looped and (options.kv_sharing or options.share_prompt):
             raise UserError("--kv-sharing and --share-prompt apply to LoopLM (Ouro) models only")
         engine = {k: v for k, v in (backend.engine or {}).items() if v is not None}
-        self.options, self.settings = options, backend
+        self.options, self.backend_config = options, backend
         if engine and backend.kind != "vllm":
             flags = ", ".join("--" + k.replace("_", "-") for k in engine)
             where = "the server's (melt-eval serve takes them)" if backend.kind == "endpoint" else "--backend vllm options"
@@ -333,8 +333,8 @@ class LoadedModel:
         if self.model is not None:
             plan_waves(self.model, prompt_tokens=1, max_new_tokens=sampling.max_new_tokens, rows=1,
                        kv_sharing=self.options.kv_sharing, share_prompt=self.options.share_prompt,
-                       max_cache_bytes=self.settings.max_cache_bytes,
-                       allow_beyond_max_positions=self.settings.allow_beyond_max_positions)
+                       max_cache_bytes=self.backend_config.max_cache_bytes,
+                       allow_beyond_max_positions=self.backend_config.allow_beyond_max_positions)
 
     def backend_settings(self) -> dict:
         """Settings of the backend that change what is generated (part of a run's identity)."""

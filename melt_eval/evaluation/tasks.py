@@ -217,7 +217,7 @@ SPECS: dict[str, TaskSpec] = {
                  prompt=_math_prompt(MATH_QUERY_TEMPLATE), metrics=math_accuracy, extract=lighteval_answer,
                  num_problems=500),
         TaskSpec("olympiadbench", "Hothan/OlympiadBench", "OE_TO_maths_en_COMP", "train", 1, "math",
-                 **{**MATH, "metrics": math_accuracy}, num_problems=674,
+                 prompt=MATH["prompt"], metrics=math_accuracy, extract=lighteval_answer, num_problems=674,
                  note="text-only English competition math (674 rows; the paper reports 581)"),
         TaskSpec("gpqa", "Idavidrein/gpqa", "gpqa_main", "train", 1, "choice",
                  prompt=gpqa_prompt, metrics=gpqa_accuracy, extract=lighteval_answer, num_problems=448,
