@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from typer.testing import CliRunner
 
-from melt_eval import ablations
+from melt_eval.experiments import ablations
 from melt_eval.cli import app
 
 runner = CliRunner()
