@@ -11,9 +11,10 @@ from typer.testing import CliRunner
 
 from melt_eval.cli import app
 from melt_eval.registry import MODELS
-from melt_eval.report.cli import write_report
+from melt_eval.report.render import render_latex
 from melt_eval.report.results import load_results
-from melt_eval.report.tables import build_tables, render_latex
+from melt_eval.report.tables import build_tables
+from melt_eval.report.write import write_report
 
 PAPER_TEX = Path(__file__).resolve().parents[2] / "shared" / "spec" / "paper.tex"
 runner = CliRunner()

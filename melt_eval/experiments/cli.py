@@ -51,9 +51,11 @@ def register(app: typer.Typer) -> None:
                                              data_dir=data_dir, seed=seed).items() if v is not None}
         ablations.run_variants(variants, runs_dir=runs, output=output, tasks=tasks, backend=backend,
                                eval_kwargs=eval_kwargs, progress=progress)
-        from melt_eval.report.results import load_results
-        from melt_eval.report.tables import ablation_table, render_markdown
         from rich.markdown import Markdown
+
+        from melt_eval.report.render import render_markdown
+        from melt_eval.report.results import load_results
+        from melt_eval.report.tables import ablation_table
 
         Console().print(Markdown(render_markdown(ablation_table(load_results(output), ablation))))
 

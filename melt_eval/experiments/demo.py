@@ -116,11 +116,12 @@ def _run_demo(output: Path, quick: bool, progress: bool, seed: int, threads: int
                           progress=progress, **ev)
 
     say("report", "[4/4] the report")
+    from melt_eval.files import write_json_atomic
     from melt_eval.report.claims import paper_claims
-    from melt_eval.report.cli import print_tables, write_report
+    from melt_eval.report.render import print_tables, render_markdown_report
     from melt_eval.report.results import load_results
-    from melt_eval.report.tables import build_tables, render_markdown_report
-    from melt_eval.evaluation.runner import write_json_atomic
+    from melt_eval.report.tables import build_tables
+    from melt_eval.report.write import write_report
 
     report = write_report(results, output / "report", plot_task=TASK)
     paper_tables = [t for t in build_tables(load_results(output / "no-results")) if t.key != "main"]

