@@ -9,7 +9,7 @@ from typing import Optional
 import typer
 
 from melt_eval.errors import UserError
-from melt_eval.report.render import print_tables
+from melt_eval.report.render import print_tables, render_latex
 from melt_eval.report.write import write_report
 
 
@@ -73,9 +73,11 @@ def register(app: typer.Typer) -> None:
         if fmt == "json":
             typer.echo(json.dumps(mem.to_json(rows), indent=2))
         elif fmt == "latex":
-            typer.echo(mem.render_latex(rows, contexts))
+            typer.echo(render_latex(mem.as_table(rows, contexts)))
         else:
-            mem.render_rich(rows, contexts)
+            from rich.console import Console
+
+            print_tables([mem.as_table(rows, contexts)], width=None if Console().is_terminal else 220)
 
 
 def measure_with_vllm(models: list[str]) -> dict[str, dict]:

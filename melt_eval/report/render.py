@@ -22,11 +22,13 @@ class Cell:
     text: str | None = None  # literal content instead of a number (e.g. "×4")
     bold: bool = False
     underline: bool = False
+    thousands: bool = False  # 196,608 rather than 196608
+    footnote: str = ""  # a mark after the value ("*"), explained in the table's notes
 
     def shown(self) -> str | None:
         if self.text is not None:
             return self.text
-        return None if self.value is None else f"{self.value:.{self.digits}f}"
+        return None if self.value is None else f"{self.value:{',' if self.thousands else ''}.{self.digits}f}{self.footnote}"
 
     def rounded(self) -> float | None:
         """The value as printed; emphasis compares these so that printed ties are marked alike."""
@@ -52,7 +54,7 @@ class Table:
     groups: list[tuple[str, int]] = field(default_factory=list)  # spanning headers over the data columns
     notes: list[str] = field(default_factory=list)
     compare: bool = False  # cells carry the paper's figure to print beside ours
-    source: str = "results"  # "results" or "paper"
+    source: str = "results"  # "results", "paper", or anything else (the heading then names no source)
 
 
 # ------------------------------------------------------------------ rendering
@@ -91,6 +93,10 @@ def cell_latex(c: Cell) -> str:
         out = NA
     else:
         shown = tex_escape(shown)
+        if c.thousands:
+            shown = shown.replace(",", "{,}")
+        if c.footnote:
+            shown = shown.removesuffix(tex_escape(c.footnote)) + f"$^{c.footnote}$"
         out = f"\\textbf{{{shown}}}" if c.bold else f"\\underline{{{shown}}}" if c.underline else shown
         if c.stderr is not None:
             out += f"{{\\tiny\\textcolor{{gray}}{{$\\pm${c.stderr:.{c.digits}f}}}}}"
@@ -102,8 +108,8 @@ def cell_latex(c: Cell) -> str:
 
 
 def heading(t: Table) -> str:
-    src = "the paper's own numbers (no results found)" if t.source == "paper" else "reproduced"
-    return f"{t.title} — {src}"
+    src = {"paper": "the paper's own numbers (no results found)", "results": "reproduced"}.get(t.source)
+    return f"{t.title} — {src}" if src else t.title
 
 
 def render_markdown(t: Table) -> str:
@@ -178,13 +184,14 @@ def render_latex_report(tables: list[Table]) -> str:
     return standalone(body.replace("\\begin{table}[t]", "\\begin{table}[h]"), "MELT reproduction report")
 
 
-def print_tables(tables) -> None:
-    """Each table as a rich table: bold best, underlined second, the paper's figure dimmed beside ours."""
+def print_tables(tables, width: int | None = None) -> None:
+    """Each table as a rich table: bold best, underlined second, the paper's figure dimmed beside ours.
+    `width`: the console's (None: the terminal's, or rich's default where there is none)."""
     from rich.console import Console
     from rich.table import Table as RichTable
     from rich.text import Text
 
-    console = Console()
+    console = Console(width=width)
     for t in tables:
         rt = RichTable(title=heading(t), title_style="bold", show_lines=False)
         for h in t.stub_heads:
