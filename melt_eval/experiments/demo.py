@@ -88,7 +88,7 @@ def _run_demo(output: Path, quick: bool, progress: bool, seed: int, threads: int
             stages[current[0]] = round(now - current[1], 1)
             if progress:
                 _echo(f"[demo] {current[0]} done in {stages[current[0]]:.0f} s "
-                           f"(elapsed {now - started:.0f} s, load average {_load_average()[0]:.1f})")
+                      f"(elapsed {now - started:.0f} s, load average {_load_average()[0]:.1f})")
         current[:] = [stage, now]
         if progress and msg:
             _heading(msg)
@@ -150,10 +150,10 @@ def _run_demo(output: Path, quick: bool, progress: bool, seed: int, threads: int
             _echo(f"wrote {f}")
         load = summary["load_average"]
         _echo(f"demo finished in {summary['wall_time_s']:.0f} s ({', '.join(f'{k} {v:.0f} s' for k, v in stages.items())}); "
-                   f"1-minute load average {load['start'][0]:.1f} at the start, {load['end'][0]:.1f} at the end")
+              f"1-minute load average {load['start'][0]:.1f} at the start, {load['end'][0]:.1f} at the end")
         _echo(f"pass@1 on the synthetic test split: teacher (ouro-tiny) {100 * summary['teacher_pass@1']:.1f}%, "
-                   f"MELT (melt-tiny) {100 * summary['melt_pass@1']:.1f}%"
-                   + ("" if quick or summary["teacher_pass@1"] >= 0.5 else " (the teacher is below the 50% the full demo aims for)"))
+              f"MELT (melt-tiny) {100 * summary['melt_pass@1']:.1f}%"
+              + ("" if quick or summary["teacher_pass@1"] >= 0.5 else " (the teacher is below the 50% the full demo aims for)"))
         _heading("The paper's claims, checked against these results (report/claims.json):")
         for c in claims:  # one line each: readable in a log as on a terminal
             mark = {True: "\u2713", False: "\u2717", None: "n/a"}[c.holds]
