@@ -83,19 +83,18 @@ def plan(ablation: str, preset: str = "paper", base: "str | TrainRun | None" = N
         raise UserError(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
     base = base or PRESETS[preset]["base"]
     recipes = PRESETS[preset]["recipes"]
-    if ablation == "kv-sharing":
-        return [VariantPlan(ablation, name, base=base, eval_options=dict(definitions.variant(ablation, name).eval_options))
-                for name in definitions.RUN_ORDER[ablation]]
     variants = []
     for name in definitions.RUN_ORDER[ablation]:
+        defined = definitions.variant(ablation, name)
         runs: list[TrainRun] = []
-        for phase, recipe, overrides in definitions.training_steps(name, base=recipes):
+        for phase, recipe, overrides in defined.training_steps(base=recipes):
             defaults = load_recipe(recipe).to_dict()
             seeded = {"seed": defaults["seed"] + seed, "gate_seed": defaults["gate_seed"] + seed} if seed else {}
             # an override equal to the recipe's own value is no change: dropping it lets equal runs share an id
             changed = {k: v for k, v in {**overrides, **(train_overrides or {}), **seeded}.items() if defaults.get(k) != v}
             runs.append(TrainRun(phase, recipe, changed, runs[-1] if runs else base))
-        variants.append(VariantPlan(ablation, name, train=runs))
+        # with no training the base model is evaluated as is, with the variant's options
+        variants.append(VariantPlan(ablation, name, train=runs, base="" if runs else base, eval_options=dict(defined.eval_options)))
     return variants
 
 

@@ -41,6 +41,20 @@ class Variant:
     # no results of its own borrows them from there, and the table says so.
     fallback: tuple[str, str] | None = None
 
+    def training_steps(self, base: str = "paper") -> list[tuple[int, str, dict]]:
+        """[(phase, recipe name, overrides), ...] on the "paper" or "tiny" recipes; [] when evaluated as is.
+
+        Phase 2 takes phase 1's output as --from (its teacher is recorded there).
+        """
+        if base not in ("paper", "tiny"):
+            raise ValueError(f"base must be 'paper' or 'tiny', got {base!r}")
+        if self.phase1 is None:
+            return []
+        steps = [(1, f"{base}-phase1", dict(self.phase1))]
+        if self.phase2 is not None:
+            steps.append((2, f"{base}-phase2", dict(self.phase2)))
+        return steps
+
 
 @dataclass(frozen=True)
 class Ablation:
@@ -98,17 +112,8 @@ def variant(ablation: str, name: str) -> Variant:
 
 
 def training_steps(name: str, base: str = "paper") -> list[tuple[int, str, dict]]:
-    """[(phase, recipe name, overrides), ...] for a ladder or gate variant; base "paper" or "tiny".
-
-    Phase 2 takes phase 1's output as --from (its teacher is recorded there).
-    """
-    if base not in ("paper", "tiny"):
-        raise ValueError(f"base must be 'paper' or 'tiny', got {base!r}")
+    """The training runs of a ladder or gate variant, by name (see Variant.training_steps)."""
     ablation = "components" if name in LADDER else "gates" if name in GATE_VARIANTS else None
     if ablation is None:
         raise ValueError(f"unknown variant {name!r}; ladder: {', '.join(LADDER)}; gates: {', '.join(GATE_VARIANTS)}")
-    v = variant(ablation, name)
-    steps = [(1, f"{base}-phase1", dict(v.phase1))]
-    if v.phase2 is not None:
-        steps.append((2, f"{base}-phase2", dict(v.phase2)))
-    return steps
+    return variant(ablation, name).training_steps(base)
