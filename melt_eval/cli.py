@@ -1,19 +1,24 @@
 """`melt-eval` command line.
 
-Each area of the harness owns its commands and registers them here, so this file
-stays a table of contents: modeling/registry (`models`, `memory`), evaluation
-(`run`, `score`, `tasks`), vLLM serving (`serve`), training (`train`), ablations and report (`ablate`,
-`report`) and the CPU demo (`demo`).
+Each area of the harness owns its commands in a command module with `register(app)`, so this file
+stays a table of contents: the model registry (`models`), evaluation (`run`, `score`, `tasks`), vLLM
+serving (`serve`), training (`train`), the report (`report`, `memory`) and the experiments (`ablate`,
+`demo`). Library modules never import typer; only these command modules do.
 """
 
 from __future__ import annotations
 
-import importlib
 import sys
 
 import typer
 
+from melt_eval import serve
 from melt_eval.errors import UserError
+from melt_eval.evaluation import cli as evaluation_cli
+from melt_eval.experiments import cli as experiments_cli
+from melt_eval.modeling import cli as modeling_cli
+from melt_eval.report import cli as report_cli
+from melt_eval.training import cli as training_cli
 
 app = typer.Typer(
     name="melt-eval",
@@ -29,26 +34,8 @@ def _root() -> None:
     """Train, ablate and evaluate MELT and its baselines."""
 
 
-# Modules that define `register(app)`. A module that is not written yet is skipped,
-# so the CLI works at every stage of the project.
-COMMAND_MODULES = [
-    "melt_eval.registry_cli",
-    "melt_eval.evaluation.cli",
-    "melt_eval.serve",
-    "melt_eval.training.cli",
-    "melt_eval.report.cli",
-    "melt_eval.ablations",
-    "melt_eval.demo",
-]
-
-for _name in COMMAND_MODULES:
-    try:
-        _module = importlib.import_module(_name)
-    except ModuleNotFoundError as exc:  # tolerate only the area itself being absent
-        if exc.name is None or not _name.startswith(exc.name):
-            raise
-        continue
-    _module.register(app)
+for _commands in (modeling_cli, evaluation_cli, serve, training_cli, report_cli, experiments_cli):
+    _commands.register(app)
 
 
 def main() -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from typer.testing import CliRunner
 
-from melt_eval import ablations
+from melt_eval.experiments import ablations
 from melt_eval.cli import app
 
 runner = CliRunner()
@@ -95,3 +95,49 @@ def test_a_checkpoint_evaluated_once_is_copied_not_rerun(tmp_path, monkeypatch):
     ablations.evaluate_once("teacher", tmp_path / "kv" / "last", "last", "synthetic", evaluated=evaluated,
                             eval_options={"kv_sharing": "last", "share_prompt": True})
     assert generated == ["ouro", "last"]  # other options: evaluated, not copied
+
+
+def test_each_variant_is_defined_once_and_read_by_ablate_and_the_report():
+    """variants.py is the one definition: ablate plans exactly its variants with its overrides and options,
+    and the report labels them (and picks fallbacks) from it."""
+    from melt_eval.experiments import variants
+    from melt_eval.report import paper
+
+    for ablation, definition in variants.ABLATIONS.items():
+        planned = {v.name: v for v in ablations.plan(ablation, "paper")}
+        assert set(planned) == {v.name for v in definition.variants} == set(paper.ABLATIONS[ablation]["variants"])
+        for v in definition.variants:
+            assert paper.ABLATIONS[ablation]["variants"][v.name] == (v.paper_key, v.paper_label)
+            assert paper.ABLATION_FALLBACKS.get((ablation, v.name)) == v.fallback
+            if v.phase1 is None:  # evaluation only, with the variant's options
+                assert not planned[v.name].train and planned[v.name].eval_options == v.eval_options
+            else:  # the variant's phase-1 overrides (less those equal to the recipe's own), and phase 2 iff defined
+                assert len(planned[v.name].train) == (2 if v.phase2 is not None else 1)
+                assert planned[v.name].train[0].overrides.items() <= v.phase1.items()
+    for (ablation, name), (where, other) in paper.ABLATION_FALLBACKS.items():  # a fallback names a real row
+        assert where == "main" or other in {v.name for v in variants.ABLATIONS[where].variants}
+
+
+def test_a_run_is_done_resumed_or_started_as_training_reports_it(tmp_path):
+    """ablate's status comes from training (runs.run_state), not from reading the runner's files itself."""
+    from melt_eval.training.runs import run_state
+
+    run = ablations.plan("gates", "tiny")[0].train[0]
+    out = tmp_path / run.run_id
+    assert ablations.describe(ablations.plan("gates", "tiny")[:1], tmp_path, tmp_path, "synthetic", "native")[0]["status"] == "to do"
+    out.mkdir()
+    (out / "recipe.yaml").write_text("seed: 0\n")
+    assert run_state(out) == "interrupted"
+    assert ablations.describe(ablations.plan("gates", "tiny")[:1], tmp_path, tmp_path, "synthetic", "native")[0]["status"] == "resume"
+
+
+def test_library_modules_import_no_typer():
+    """Only command modules (*/cli.py, serve.py) import typer; the experiments and the report are libraries."""
+    import subprocess
+    import sys
+
+    code = ("import sys; import melt_eval.experiments.ablations, melt_eval.experiments.demo, melt_eval.experiments.variants, "
+            "melt_eval.report.tables, melt_eval.report.render, melt_eval.report.write, melt_eval.report.memory, "
+            "melt_eval.training.runs; print(sorted(m for m in sys.modules if m.split('.')[0] in ('typer', 'vllm')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]", out

@@ -13,7 +13,8 @@ from typer.testing import CliRunner
 
 from melt_eval.cli import app
 from melt_eval.report.latex import standalone
-from melt_eval.report.memory import memory_table, paper_notes, render_latex
+from melt_eval.report.memory import as_table, memory_table, paper_notes
+from melt_eval.report.render import render_latex
 
 runner = CliRunner()
 PAPER_ROWS = ["melt-1.6b", "ouro-1.4b-thinking", "qwen3-1.7b"]
@@ -83,7 +84,7 @@ def test_table_shows_both_contexts_and_the_papers_columns():
 
 def test_latex_compiles_and_carries_both_sets_of_figures(tmp_path):
     rows = memory_table(PAPER_ROWS, contexts=(32_000, 32_768))
-    tex = render_latex(rows, (32_000, 32_768))
+    tex = render_latex(as_table(rows, (32_000, 32_768)))
     assert "\\toprule" in tex and "\\bottomrule" in tex
     assert "196{,}608" in tex and "6.291" in tex and "6.442" in tex and "9.49" in tex
     res = runner.invoke(app, ["memory", "--models", ",".join(PAPER_ROWS), "--format", "latex"])

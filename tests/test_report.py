@@ -11,9 +11,10 @@ from typer.testing import CliRunner
 
 from melt_eval.cli import app
 from melt_eval.registry import MODELS
-from melt_eval.report.cli import write_report
+from melt_eval.report.render import render_latex
 from melt_eval.report.results import load_results
-from melt_eval.report.tables import build_tables, render_latex
+from melt_eval.report.tables import build_tables
+from melt_eval.report.write import write_report
 
 PAPER_TEX = Path(__file__).resolve().parents[2] / "shared" / "spec" / "paper.tex"
 runner = CliRunner()
@@ -319,3 +320,19 @@ def test_demo_report_names_the_models_that_produced_the_numbers(tmp_path):
     text = (tmp_path / "r" / "report.md").read_text()
     claims = text.split("### Gate ablation")[0]
     assert text.startswith("### Paper claims") and "| melt-tiny 50.0 / ouro-tiny 52.0 = 0.96; cache 0.250x at T = 4 |" in claims
+
+
+def test_the_report_layer_never_imports_vllm():
+    """`--measure vllm` is wired in the command module; no report library module imports vLLM or its backend,
+    not even inside a function."""
+    import ast
+
+    import melt_eval.report
+
+    for path in Path(melt_eval.report.__file__).parent.glob("*.py"):
+        if path.name == "cli.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            assert not any("vllm" in n for n in names), f"{path.name} imports {names}"

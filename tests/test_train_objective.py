@@ -7,8 +7,8 @@ import torch
 
 from melt_eval.errors import UserError
 from melt_eval.modeling import MeltForCausalLM
-from melt_eval.training import GATE_VARIANTS, LADDER, load_recipe
-from melt_eval.training.ladder import plan
+from melt_eval.experiments.variants import GATE_VARIANTS, LADDER, training_steps
+from melt_eval.training import load_recipe
 from melt_eval.training.losses import align_loss, generalized_jsd, kd_loss, sft_loss
 from melt_eval.training.runner import forward_objective, lr_factor, param_groups
 
@@ -144,7 +144,7 @@ def test_alpha_and_lr_schedules():
 @pytest.mark.parametrize("variant", list(LADDER))
 def test_ladder_variant_builds_the_spec_objective(variant, looplm, batch):
     """Each component-removal row: which terms, which alpha at step 0, which chunk size, which phases."""
-    steps = plan(variant, base="tiny")
+    steps = training_steps(variant, base="tiny")
     r1 = load_recipe(steps[0][1], overrides=steps[0][2])
     student = MeltForCausalLM.from_looplm(looplm, gate="elementwise", seed=0)
     terms, out = forward_objective(student, looplm, batch, r1, 0, **counts(batch))
@@ -172,7 +172,7 @@ def test_ladder_variant_builds_the_spec_objective(variant, looplm, batch):
 
 @pytest.mark.parametrize("variant", list(GATE_VARIANTS))
 def test_gate_variants_are_phase1_runs_with_that_gate(variant):
-    steps = plan(variant, base="paper")
+    steps = training_steps(variant, base="paper")
     assert len(steps) == 1 and steps[0][0] == 1
     r = load_recipe(steps[0][1], overrides=steps[0][2])
     assert r.gate == {"ema-0.2": "ema"}.get(variant, variant) and r.phase == 1

@@ -18,13 +18,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from melt_eval.experiments import variants
 from melt_eval.report.results import Result, ResultSet
 
 KEEP = 0.90  # claim 1
 COLLAPSE = 0.25  # claims 2 and 3
-UNTRAINED = ("last-prefill", "last", "first-prefill", "first")
-LADDER = ("full", "no-align", "no-interp", "no-kd")  # each row removes one more component
-GATES = ("elementwise", "scalar", "ema-0.2", "mean", "last")
+UNTRAINED = tuple(v for v in variants.RUN_ORDER["kv-sharing"] if v != "ouro")
+# each row removes one more component; no-chunk is claim 3's
+LADDER = tuple(v for v in variants.LADDER if v != "no-chunk")
+GATES = variants.GATE_VARIANTS
 CACHE_TOLERANCE = 0.01  # relative: a measured cache ratio within 1% of 1/T is 1/T
 
 

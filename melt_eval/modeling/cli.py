@@ -1,4 +1,4 @@
-"""`melt-eval models`: the model registry."""
+"""`melt-eval models`: the model registry (melt_eval/registry.py)."""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 
 1. `ouro-tiny`: a LoopLM (T = 4) trained from scratch on the synthetic task (recipe pretrain-tiny);
 2. MELT from it with the two-phase recipe (tiny-phase1, tiny-phase2), the gate ablation, the
-   component-removal ladder and the untrained KV-sharing variants (`melt_eval.ablations`, preset tiny);
+   component-removal ladder and the untrained KV-sharing variants (`melt_eval.experiments.ablations`, preset tiny);
 3. every model evaluated on the synthetic task's test split with the paper's protocol (16 samples,
    temperature 1.0, top-p 0.7, pass@1 and pass@10) through LightEval, plus T = 1..4 at inference
    for the loops figure;
@@ -18,12 +18,9 @@ import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
 
-import typer
-
-from melt_eval import ablations
-from melt_eval.ablations import TrainRun
+from melt_eval.experiments import ablations
+from melt_eval.experiments.ablations import TrainRun
 
 TASK = "synthetic"
 
@@ -90,11 +87,11 @@ def _run_demo(output: Path, quick: bool, progress: bool, seed: int, threads: int
         if current[0]:
             stages[current[0]] = round(now - current[1], 1)
             if progress:
-                typer.echo(f"[demo] {current[0]} done in {stages[current[0]]:.0f} s "
-                           f"(elapsed {now - started:.0f} s, load average {_load_average()[0]:.1f})")
+                _echo(f"[demo] {current[0]} done in {stages[current[0]]:.0f} s "
+                      f"(elapsed {now - started:.0f} s, load average {_load_average()[0]:.1f})")
         current[:] = [stage, now]
         if progress and msg:
-            typer.secho(msg, bold=True)
+            _heading(msg)
 
     say("teacher", "[1/4] the teacher: ouro-tiny, a LoopLM trained from scratch on the synthetic task")
     teacher_made_by = teacher_run(size, seed)
@@ -123,11 +120,12 @@ def _run_demo(output: Path, quick: bool, progress: bool, seed: int, threads: int
                           max_problems=max_problems, progress=progress)
 
     say("report", "[4/4] the report")
-    from melt_eval.report.claims import paper_claims
-    from melt_eval.report.cli import print_tables, write_report
-    from melt_eval.report.results import load_results
-    from melt_eval.report.tables import build_tables, render_markdown_report
     from melt_eval.files import write_json_atomic
+    from melt_eval.report.claims import paper_claims
+    from melt_eval.report.render import print_tables, render_markdown_report
+    from melt_eval.report.results import load_results
+    from melt_eval.report.tables import build_tables
+    from melt_eval.report.write import write_report
 
     report = write_report(results, output / "report", plot_task=TASK)
     paper_tables = [t for t in build_tables(load_results(output / "no-results")) if t.key != "main"]
@@ -150,22 +148,22 @@ def _run_demo(output: Path, quick: bool, progress: bool, seed: int, threads: int
     if progress:
         tables = [t for t in report["tables"] if t.key not in ("main", "claims")]
         print_tables(tables)
-        typer.secho("The paper's ablation tables, for comparison:", bold=True)
+        _heading("The paper's ablation tables, for comparison:")
         print_tables(paper_tables)
         for f in summary["files"]:
-            typer.echo(f"wrote {f}")
+            _echo(f"wrote {f}")
         load = summary["load_average"]
-        typer.echo(f"demo finished in {summary['wall_time_s']:.0f} s ({', '.join(f'{k} {v:.0f} s' for k, v in stages.items())}); "
-                   f"1-minute load average {load['start'][0]:.1f} at the start, {load['end'][0]:.1f} at the end")
-        typer.echo(f"pass@1 on the synthetic test split: teacher (ouro-tiny) {100 * summary['teacher_pass@1']:.1f}%, "
-                   f"MELT (melt-tiny) {100 * summary['melt_pass@1']:.1f}%"
-                   + ("" if quick or summary["teacher_pass@1"] >= 0.5 else " (the teacher is below the 50% the full demo aims for)"))
-        typer.secho("The paper's claims, checked against these results (report/claims.json):", bold=True)
+        _echo(f"demo finished in {summary['wall_time_s']:.0f} s ({', '.join(f'{k} {v:.0f} s' for k, v in stages.items())}); "
+              f"1-minute load average {load['start'][0]:.1f} at the start, {load['end'][0]:.1f} at the end")
+        _echo(f"pass@1 on the synthetic test split: teacher (ouro-tiny) {100 * summary['teacher_pass@1']:.1f}%, "
+              f"MELT (melt-tiny) {100 * summary['melt_pass@1']:.1f}%"
+              + ("" if quick or summary["teacher_pass@1"] >= 0.5 else " (the teacher is below the 50% the full demo aims for)"))
+        _heading("The paper's claims, checked against these results (report/claims.json):")
         for c in claims:  # one line each: readable in a log as on a terminal
             mark = {True: "\u2713", False: "\u2717", None: "n/a"}[c.holds]
             paper = "" if c.paper_holds is None else f"; the paper's numbers: {c.paper} " + ("\u2713" if c.paper_holds else "\u2717")
-            typer.echo(f"  {mark} {c.claim}: {c.measured or 'not run'} (needs {c.threshold}{paper})")
-        typer.echo(f"{summary['claims_hold']} of {summary['claims']} claims hold" + (" (--quick: its numbers mean nothing)" if quick else ""))
+            _echo(f"  {mark} {c.claim}: {c.measured or 'not run'} (needs {c.threshold}{paper})")
+        _echo(f"{summary['claims_hold']} of {summary['claims']} claims hold" + (" (--quick: its numbers mean nothing)" if quick else ""))
     return summary
 
 
@@ -185,7 +183,7 @@ def _pick_threads(report: bool, default: int) -> None:
     if torch.get_num_threads() != threads:
         torch.set_num_threads(threads)
         if report:
-            typer.echo(f"[demo] load average {_load_average()[0]:.1f} on {os.cpu_count()} cores: {threads} torch thread(s)")
+            _echo(f"[demo] load average {_load_average()[0]:.1f} on {os.cpu_count()} cores: {threads} torch thread(s)")
 
 
 def _load_average() -> list[float]:
@@ -198,16 +196,12 @@ def _load_average() -> list[float]:
         return [float("nan")] * 3
 
 
-def register(app: typer.Typer) -> None:
-    @app.command()
-    def demo(
-        quick: bool = typer.Option(False, "--quick", help="Smaller everything, for CI (its numbers mean nothing)."),
-        output: Optional[Path] = typer.Option(None, help="Where runs, results and the report go (default demo/ or "
-                                              "demo-quick/, with -seedN for another seed)."),
-        seed: int = typer.Option(0, "--seed", min=0, help="Seeds every training run and the sampling; the claims "
-                                 "must hold for more than one."),
-        progress: bool = typer.Option(True, "--progress/--no-progress"),
-    ) -> None:
-        """A miniature reproduction on the CPU: teacher, MELT, every ablation, every table and figure, and
-        the paper's claims checked against the numbers."""
-        run_demo(output or default_output(quick, seed), quick=quick, progress=progress, seed=seed)
+def _echo(line: str) -> None:
+    print(line, flush=True)
+
+
+def _heading(line: str) -> None:
+    """A line in bold on a terminal, plain in a log."""
+    from rich.console import Console
+
+    Console(soft_wrap=True, markup=False, emoji=False, highlight=False).print(line, style="bold")

@@ -1,0 +1,73 @@
+"""`melt-eval ablate` and `melt-eval demo`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from melt_eval.experiments import ablations
+from melt_eval.experiments.demo import default_output, run_demo
+
+
+def register(app: typer.Typer) -> None:
+    @app.command()
+    def ablate(
+        ablation: str = typer.Argument(..., help="gates | components | kv-sharing"),
+        preset: str = typer.Option("paper", help="paper (Ouro-1.4B, paper recipes) | tiny (CPU-sized recipes)"),
+        base: Optional[str] = typer.Option(None, help="Base LoopLM (default: the preset's)."),
+        tasks: Optional[str] = typer.Option(None, help="Tasks to evaluate (default: the paper's ablation set)."),
+        backend: str = typer.Option("native", help="native | vllm"),
+        output: Path = typer.Option(Path("results"), help="Results root (ablations/<ablation>/<variant>/)."),
+        runs: Path = typer.Option(Path("runs/ablations"), help="Where training runs go."),
+        samples: Optional[int] = typer.Option(None, help="Samples per problem (default: the paper's)."),
+        max_problems: Optional[int] = typer.Option(None, "--max-problems"),
+        max_new_tokens: Optional[int] = typer.Option(None, "--max-new-tokens"),
+        max_steps: Optional[int] = typer.Option(None, "--max-steps", help="Cap every training run's steps."),
+        data_dir: Optional[Path] = typer.Option(None, "--data-dir"),
+        seed: int = typer.Option(0),
+        dry_run: bool = typer.Option(False, "--dry-run", help="Print every run with its command; run nothing."),
+        progress: bool = typer.Option(True, "--progress/--no-progress"),
+    ) -> None:
+        """Run one of the paper's ablations: training (where it has any), then evaluation. Resumable."""
+        from rich.console import Console
+        from rich.table import Table
+
+        from melt_eval.evaluation.tasks import expand
+
+        variants = ablations.plan(ablation, preset, base, {"max_steps": max_steps} if max_steps else None)
+        tasks = tasks or ablations.PRESETS[preset]["tasks"]
+        expand(tasks)  # unknown tasks fail before anything runs
+        if dry_run:
+            table = Table(title=f"ablate {ablation} --preset {preset}: plan (nothing run)")
+            for col in ("variant", "step", "status", "command", "paper compute"):
+                table.add_column(col, overflow="fold")
+            for s in ablations.describe(variants, runs, output, tasks, backend):
+                table.add_row(s["variant"], s["step"], s["status"], s["command"], s["paper_gpu_hours"])
+            Console(width=200).print(table)
+            return
+        eval_kwargs = {k: v for k, v in dict(samples=samples, max_problems=max_problems, max_new_tokens=max_new_tokens,
+                                             data_dir=data_dir, seed=seed).items() if v is not None}
+        ablations.run_variants(variants, runs_dir=runs, output=output, tasks=tasks, backend=backend,
+                               eval_kwargs=eval_kwargs, progress=progress)
+        from rich.markdown import Markdown
+
+        from melt_eval.report.render import render_markdown
+        from melt_eval.report.results import load_results
+        from melt_eval.report.tables import ablation_table
+
+        Console().print(Markdown(render_markdown(ablation_table(load_results(output), ablation))))
+
+    @app.command()
+    def demo(
+        quick: bool = typer.Option(False, "--quick", help="Smaller everything, for CI (its numbers mean nothing)."),
+        output: Optional[Path] = typer.Option(None, help="Where runs, results and the report go (default demo/ or "
+                                              "demo-quick/, with -seedN for another seed)."),
+        seed: int = typer.Option(0, "--seed", min=0, help="Seeds every training run and the sampling; the claims "
+                                 "must hold for more than one."),
+        progress: bool = typer.Option(True, "--progress/--no-progress"),
+    ) -> None:
+        """A miniature reproduction on the CPU: teacher, MELT, every ablation, every table and figure, and
+        the paper's claims checked against the numbers."""
+        run_demo(output or default_output(quick, seed), quick=quick, progress=progress, seed=seed)

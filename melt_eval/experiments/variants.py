@@ -1,0 +1,119 @@
+"""Every ablation variant of the paper, defined once (MELT.md "Component-removal ladder", section 2).
+
+A variant is what training runs (overrides of the phase-1 and phase-2 recipes, or no training), how it
+is evaluated (inference options), and the row of the paper's table it stands for (its key in
+paper_results.json, the label the paper prints, and the run the paper reports twice that it may
+borrow). `ablate` and the demo plan from these (`melt_eval.experiments.ablations`), the report labels
+its rows and picks fallbacks from them (`melt_eval.report.paper`).
+
+Component-removal ladder, on the chosen recipes (paper-phase1/2 or tiny-phase1/2):
+
+    full       phase 1 (chunk-wise + interpolated transition + all-loop KD) + phase 2 (KD + alignment)
+    no-align   phase 1 only                                   ("- attention-aligned distillation")
+    no-interp  phase 1 with alpha = 1 from step 0             ("- interpolated transition")
+    no-kd      plain SFT, chunk-wise, no interpolation        ("- GKD-allLoops")
+    no-chunk   plain SFT with C = L (fully parallel)          ("- chunk-wise training")
+
+Gate ablations are phase-1 runs with another gate (the paper: "Gate ablations use phase 1 only").
+The KV-sharing variants are Ouro evaluated as is, reusing one loop's KV in every loop.
+
+    from melt_eval.experiments.variants import training_steps
+    for phase, recipe, overrides in training_steps("no-interp", base="tiny"):
+        ...  # melt_eval.training.run_recipe(recipe, from_model=..., output=..., overrides=overrides)
+
+This module imports nothing from the harness, so every layer can read it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+@dataclass(frozen=True)
+class Variant:
+    ablation: str  # "gates" | "components" | "kv-sharing"
+    name: str  # the results directory's name: results/ablations/<ablation>/<name>/
+    paper_key: str  # its row in paper_results.json
+    paper_label: str  # its row as the paper's table prints it
+    phase1: dict | None = None  # overrides of <base>-phase1; None: evaluated as is, no training
+    phase2: dict | None = None  # overrides of <base>-phase2; None: no phase 2
+    eval_options: dict = field(default_factory=dict)  # run_tasks options (kv_sharing, share_prompt)
+    # The same checkpoint in another table ((ablation or "main", variant or registry model)): a row with
+    # no results of its own borrows them from there, and the table says so.
+    fallback: tuple[str, str] | None = None
+
+    def training_steps(self, base: str = "paper") -> list[tuple[int, str, dict]]:
+        """[(phase, recipe name, overrides), ...] on the "paper" or "tiny" recipes; [] when evaluated as is.
+
+        Phase 2 takes phase 1's output as --from (its teacher is recorded there).
+        """
+        if base not in ("paper", "tiny"):
+            raise ValueError(f"base must be 'paper' or 'tiny', got {base!r}")
+        if self.phase1 is None:
+            return []
+        steps = [(1, f"{base}-phase1", dict(self.phase1))]
+        if self.phase2 is not None:
+            steps.append((2, f"{base}-phase2", dict(self.phase2)))
+        return steps
+
+
+@dataclass(frozen=True)
+class Ablation:
+    name: str
+    section: str  # its table in paper_results.json
+    title: str
+    stub: str  # the heading of the table's first column
+    variants: tuple[Variant, ...]  # in the paper's row order
+
+
+GATES = Ablation("gates", "gate_ablation_phase1", "Gate ablation (after phase 1)", "Model variant", (
+    Variant("gates", "elementwise", "MELT-1.6B (P1, elementwise)", "MELT-1.6B (P1)", phase1={"gate": "elementwise"},
+            fallback=("components", "no-align")),
+    Variant("gates", "mean", "mean", "Mean", phase1={"gate": "mean"}),
+    Variant("gates", "ema-0.2", "ema-0.2", "EMA-0.2", phase1={"gate": "ema", "ema_decay": 0.2}),
+    Variant("gates", "last", "last", "Last", phase1={"gate": "last"}),
+    Variant("gates", "scalar", "scalar (single-gated)", "Single-gated", phase1={"gate": "scalar"}),
+))
+
+COMPONENTS = Ablation("components", "component_removal", "Component removal", "Component removed", (
+    Variant("components", "full", "MELT-1.6B (full)", "MELT-1.6B", phase1={}, phase2={},
+            fallback=("main", "melt-1.6b")),
+    Variant("components", "no-align", "- attention-aligned distillation", "- Att-aligned distillation", phase1={},
+            fallback=("gates", "elementwise")),
+    Variant("components", "no-interp", "- interpolated transition", "- Interpolated transition",
+            phase1={"interpolation_steps": 0}),
+    Variant("components", "no-kd", "- GKD-allLoops", "- GKD-allLoops", phase1={"interpolation_steps": 0, "kd": False}),
+    Variant("components", "no-chunk", "- chunk-wise training", "- Chunk-wise training",
+            phase1={"interpolation_steps": 0, "kd": False, "chunk_size": 0}),
+))
+
+# The untrained KV-sharing baselines (MELT.md section 2): which loop's KV every loop reuses, and
+# whether the prompt keeps Ouro's per-loop cache ("w/ prefill") or shares it too.
+KV_SHARING = Ablation("kv-sharing", "untrained_kv_sharing", "Untrained KV sharing on Ouro-1.4B-Thinking", "KV sharing", (
+    Variant("kv-sharing", "ouro", "Ouro-1.4B-Thinking", "Ouro-1.4B-Thinking",
+            eval_options={"kv_sharing": None, "share_prompt": False}, fallback=("main", "ouro-1.4b-thinking")),
+    Variant("kv-sharing", "last-prefill", "last loop (w/ prefill)", "Last loop (w/ prefill)",
+            eval_options={"kv_sharing": "last", "share_prompt": False}),
+    Variant("kv-sharing", "last", "last loop", "Last loop", eval_options={"kv_sharing": "last", "share_prompt": True}),
+    Variant("kv-sharing", "first-prefill", "first loop (w/ prefill)", "First loop (w/ prefill)",
+            eval_options={"kv_sharing": "first", "share_prompt": False}),
+    Variant("kv-sharing", "first", "first loop", "First loop", eval_options={"kv_sharing": "first", "share_prompt": True}),
+))
+
+ABLATIONS: dict[str, Ablation] = {a.name: a for a in (GATES, COMPONENTS, KV_SHARING)}
+
+# Run order of `ablate` and the demo (the paper's table order differs for the gates).
+GATE_VARIANTS = ("elementwise", "scalar", "ema-0.2", "mean", "last")
+LADDER = ("full", "no-align", "no-interp", "no-kd", "no-chunk")  # each row removes one more component
+RUN_ORDER = {"gates": GATE_VARIANTS, "components": LADDER, "kv-sharing": tuple(v.name for v in KV_SHARING.variants)}
+
+
+def variant(ablation: str, name: str) -> Variant:
+    return next(v for v in ABLATIONS[ablation].variants if v.name == name)
+
+
+def training_steps(name: str, base: str = "paper") -> list[tuple[int, str, dict]]:
+    """The training runs of a ladder or gate variant, by name (see Variant.training_steps)."""
+    ablation = "components" if name in LADDER else "gates" if name in GATE_VARIANTS else None
+    if ablation is None:
+        raise ValueError(f"unknown variant {name!r}; ladder: {', '.join(LADDER)}; gates: {', '.join(GATE_VARIANTS)}")
+    return variant(ablation, name).training_steps(base)

@@ -1,0 +1,38 @@
+"""A training run directory seen from outside (`ablate`, the demo): its state, and the command that makes it.
+
+What marks a run finished or interrupted is the runner's business (its meta file, its recipe.yaml);
+callers ask here instead of reading those files.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from melt_eval.training.runner import _read_meta
+
+FINISHED, INTERRUPTED, NOT_STARTED = "finished", "interrupted", "not started"
+
+
+def run_state(run_dir: Path) -> str:
+    """FINISHED, INTERRUPTED (`--resume` continues it) or NOT_STARTED."""
+    meta = _read_meta(run_dir)  # an unreadable meta file is not "finished": --resume recovers it
+    if isinstance(meta, dict) and meta.get("status") == "finished":
+        return FINISHED
+    return INTERRUPTED if (run_dir / "recipe.yaml").exists() else NOT_STARTED
+
+
+# Recipe keys with a switch of their own on `melt-eval train` (training/cli.py); any other key is --set.
+_SWITCHES = {"gate": "--gate", "interpolation_steps": "--interpolation-steps", "chunk_size": "--chunk-size"}
+
+
+def train_command(recipe: str, from_model: str | Path, output: Path, overrides: dict) -> str:
+    """The `melt-eval train` command line that runs `recipe` with `overrides` (what `ablate --dry-run` prints)."""
+    flags = []
+    for key, value in sorted(overrides.items()):
+        if key == "kd":
+            flags.append("--kd" if value else "--no-kd")
+        elif key in _SWITCHES:
+            flags.append(f"{_SWITCHES[key]} {value}")
+        else:
+            flags.append(f"--set {key}={value}")
+    return " ".join([f"melt-eval train --recipe {recipe} --from {from_model} --output {output}", *flags])
