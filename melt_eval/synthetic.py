@@ -8,7 +8,16 @@ about the last one; the final answer is written as \\boxed{...}:
     answer:   5
 
 More steps need more sequential computation per token, which is where extra loops of a
-LoopLM help. Used as a built-in training source (`source: synthetic` in a recipe) and by
+LoopLM help.
+
+form "digits" (`make_digit_problem`) is a last-digit chain whose worked reply is most of the
+sequence, as the paper's generated reasoning is (about 3.5x the prompt with the tiny tokenizer's
+chat template, 5-9 steps), each step a computation on the previous step's result:
+
+    problem:  x = 2. 6 step each x = x - 8 remainder 10.
+    solution: 1: x = 2 - 8 = 4. 2: x = 4 - 8 = 6. ... 6: x = 2 - 8 = 4. The answer is \\boxed{4}.
+
+Used as a built-in training source (`source: synthetic` in a recipe) and by
 the demo's LightEval task, so both must build prompts with `user_prompt`.
 
 Splits are disjoint by construction: a problem belongs to "test" iff a stable hash of
@@ -56,26 +65,49 @@ def make_problem(rng: random.Random, num_steps: int = 2, max_value: int = 9) -> 
     return {"problem": problem, "answer": answer, "solution": solution}
 
 
-def make_split(split: str, n: int, seed: int = 0, *, num_steps: int | tuple[int, int] = 2, max_value: int = 9) -> list[dict]:
+def make_digit_problem(rng: random.Random, num_steps: int = 6, max_value: int = 9) -> dict:
+    """One last-digit chain: a start digit, then `num_steps` times the same + or - of a constant in
+    1..max_value, keeping the last digit (arithmetic modulo 10), worked one numbered step per line."""
+    start, step, op = rng.randint(0, 9), rng.randint(1, max_value), rng.choice("+-")
+    value, worked = start, []
+    for i in range(1, num_steps + 1):
+        new = (value + step if op == "+" else value - step) % 10
+        worked.append(f"{i}: x = {value} {op} {step} = {new}.")
+        value = new
+    problem = f"x = {start}. {num_steps} step each x = x {op} {step} remainder 10."
+    solution = " ".join(worked) + f" The answer is \\boxed{{{value}}}."
+    return {"problem": problem, "answer": str(value), "solution": solution}
+
+
+FORMS = {"variables": (make_problem, len(VARIABLES) - 1), "digits": (make_digit_problem, 9)}
+
+
+def make_split(split: str, n: int, seed: int = 0, *, num_steps: int | tuple[int, int] = 2, max_value: int = 9,
+               form: str = "variables") -> list[dict]:
     """`n` distinct problems of `split` ("train" or "test") as {"problem", "answer", "solution"}.
 
     num_steps: an int, or (lo, hi) to draw each problem's step count uniformly from lo..hi.
+    form: "variables" (variable tracking, `make_problem`) or "digits" (a last-digit chain, `make_digit_problem`).
     Raises ValueError if the split's problem space has fewer than `n` distinct problems.
     """
     if split not in SPLITS:
         raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
+    if form not in FORMS:
+        raise ValueError(f"form must be one of {', '.join(FORMS)}, got {form!r}")
+    make, most_steps = FORMS[form]
     lo, hi = (num_steps, num_steps) if isinstance(num_steps, int) else tuple(num_steps)
-    if lo < 1 or hi < lo or hi >= len(VARIABLES):
-        raise ValueError(f"num_steps must be within 1..{len(VARIABLES) - 1}, got {num_steps!r}")
+    if lo < 1 or hi < lo or hi > most_steps:
+        raise ValueError(f"num_steps must be within 1..{most_steps}, got {num_steps!r}")
     # string seeds hash deterministically across Python runs (random.Random uses sha512 on str)
-    rng = random.Random(f"melt-eval-synthetic/{split}/{seed}/{lo}-{hi}/{max_value}")
+    tag = "" if form == "variables" else f"{form}/"  # the variables form keeps its original draws
+    rng = random.Random(f"melt-eval-synthetic/{tag}{split}/{seed}/{lo}-{hi}/{max_value}")
     out, seen = [], set()
     attempts = 0
     while len(out) < n:
         attempts += 1
         if attempts > 50 * n + 10_000:
             raise ValueError(f"cannot draw {n} distinct {split} problems with num_steps={num_steps}, max_value={max_value}")
-        item = make_problem(rng, rng.randint(lo, hi), max_value)
+        item = make(rng, rng.randint(lo, hi), max_value)
         if item["problem"] in seen or _bucket(item["problem"]) != split:
             continue
         seen.add(item["problem"])

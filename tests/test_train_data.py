@@ -34,6 +34,33 @@ def test_synthetic_splits_are_deterministic_disjoint_and_correct():
         synthetic.make_split("test", 50, num_steps=1, max_value=3)
 
 
+def test_digit_chains_are_correct_and_their_worked_reply_dominates(tok):
+    """form "digits": the worked reply is mostly the sequence (>= 3x the prompt with its template, as the
+    paper's generated reasoning is), every step's last digit is right, and the splits stay disjoint."""
+    train = synthetic.make_split("train", 300, seed=0, num_steps=(5, 9), form="digits")
+    test = synthetic.make_split("test", 90, seed=0, num_steps=(5, 9), form="digits")
+    assert train == synthetic.make_split("train", 300, seed=0, num_steps=(5, 9), form="digits")
+    assert not {x["problem"] for x in train} & {x["problem"] for x in test}
+    ratios = []
+    for item in train + test:
+        start, rest = item["problem"].removeprefix("x = ").split(". ", 1)
+        count, _, _, _, _, _, op, step = rest.split(" ")[:8]
+        value, steps = int(start), item["solution"].split(". ")
+        for i in range(1, int(count) + 1):
+            value = (value + int(step) if op == "+" else value - int(step)) % 10
+            assert steps[i - 1].endswith(f"= {value}"), (item, i)
+        assert item["answer"] == str(value) and item["solution"].endswith(f"\\boxed{{{value}}}.")
+        prompt = tok.apply_chat_template(synthetic.to_messages(item, "solution")[:1], add_generation_prompt=True,
+                                         return_dict=True)["input_ids"]
+        ratios.append(len(tok(item["solution"])["input_ids"]) / len(prompt))
+    assert sum(ratios) / len(ratios) >= 3.0, sum(ratios) / len(ratios)
+    with pytest.raises(ValueError, match="form"):
+        synthetic.make_split("test", 5, form="words")
+    s = DataStream([{"source": "synthetic", "n": 20, "num_steps": [5, 9], "form": "digits", "target": "solution"}],
+                   tok, 160, seed=0)
+    assert "step each x = x" in tok.decode(s.next().input_ids)
+
+
 def test_schemas_of_the_paper_datasets_become_chats():
     ace = {"category": "math", "source": "x", "input": "Q?", "output": "<think>r</think> A"}
     ot3 = {"difficulty": 5, "source": "y", "domain": "math",

@@ -4,7 +4,7 @@ A recipe's `data` is a list of sources, each a mapping with `source` and `weight
 
     - {source: hub, path: nvidia/AceReason-1.1-SFT, split: train, weight: 0.5}   # datasets streaming
     - {source: local, path: data/train.jsonl, weight: 1.0}                        # .jsonl/.json/.parquet (file or glob)
-    - {source: synthetic, n: 20000, num_steps: [1, 3], max_value: 9, target: answer}  # melt_eval.synthetic
+    - {source: synthetic, n: 20000, num_steps: [1, 3], max_value: 9, target: answer}  # melt_eval.synthetic (form: digits too)
 
 Examples become chats (`to_messages` knows the schemas of AceReason-1.1-SFT, OpenThoughts3,
 "messages", "conversations", problem/solution, prompt/response), are tokenized with the
@@ -210,7 +210,7 @@ def build_source(spec: dict, seed: int, shuffle_buffer: int) -> Source:
     known = {
         "hub": {"source", "weight", "path", "name", "split"},
         "local": {"source", "weight", "path"},
-        "synthetic": {"source", "weight", "n", "num_steps", "max_value", "target", "split", "seed"},
+        "synthetic": {"source", "weight", "n", "num_steps", "max_value", "target", "split", "seed", "form"},
     }[spec["source"]]
     unknown = sorted(set(spec) - known)
     if unknown:
@@ -223,7 +223,7 @@ def build_source(spec: dict, seed: int, shuffle_buffer: int) -> Source:
             items = synthetic.make_split(
                 spec.get("split", "train"), int(spec.get("n", 10_000)), int(spec.get("seed", 0)),
                 num_steps=tuple(num_steps) if isinstance(num_steps, list) else int(num_steps),
-                max_value=int(spec.get("max_value", 9)),
+                max_value=int(spec.get("max_value", 9)), form=spec.get("form", "variables"),
             )
         except ValueError as exc:
             raise UserError(f"data source synthetic: {exc}") from None
