@@ -79,7 +79,31 @@ def make_digit_problem(rng: random.Random, num_steps: int = 6, max_value: int = 
     return {"problem": problem, "answer": str(value), "solution": solution}
 
 
-FORMS = {"variables": (make_problem, len(VARIABLES) - 1), "digits": (make_digit_problem, 9)}
+DIGIT_SUM_NAMES = "xyzabc"  # names only vary the text, so the problem space is large enough for a test split
+
+
+def make_digit_sum_problem(rng: random.Random, num_steps: int = 5, max_value: int = 8) -> dict:
+    """One digit-sum chain: a start in 1..9, then `num_steps` times adding the same constant in
+    1..min(max_value, 8) and keeping the digit sum (the sum modulo 9, 9 for 0), so every value is one
+    digit 1..9, each one token of the tiny tokenizer (` 0` is two), and every step has the same length:
+
+        problem:  y = 2. 6 step y + 8 sum.
+        solution: 1: y = 2 + 8 = 1. 2: y = 1 + 8 = 9. ... The answer is \\boxed{6}.
+
+    One operator over 1..9 leaves 72 distinct sums to learn (form "digits" has 180, a tenth with ` 0`)."""
+    name, start, step = rng.choice(DIGIT_SUM_NAMES), rng.randint(1, 9), rng.randint(1, min(max_value, 8))
+    value, worked = start, []
+    for i in range(1, num_steps + 1):
+        new = (value + step - 1) % 9 + 1  # the digit sum of value + step (at most 17)
+        worked.append(f"{i}: {name} = {value} + {step} = {new}.")
+        value = new
+    problem = f"{name} = {start}. {num_steps} step {name} + {step} sum."  # short, so the reply dominates
+    solution = " ".join(worked) + f" The answer is \\boxed{{{value}}}."
+    return {"problem": problem, "answer": str(value), "solution": solution}
+
+
+FORMS = {"variables": (make_problem, len(VARIABLES) - 1), "digits": (make_digit_problem, 9),
+         "digit-sum": (make_digit_sum_problem, 9)}
 
 
 def make_split(split: str, n: int, seed: int = 0, *, num_steps: int | tuple[int, int] = 2, max_value: int = 9,
@@ -87,7 +111,8 @@ def make_split(split: str, n: int, seed: int = 0, *, num_steps: int | tuple[int,
     """`n` distinct problems of `split` ("train" or "test") as {"problem", "answer", "solution"}.
 
     num_steps: an int, or (lo, hi) to draw each problem's step count uniformly from lo..hi.
-    form: "variables" (variable tracking, `make_problem`) or "digits" (a last-digit chain, `make_digit_problem`).
+    form: "variables" (variable tracking, `make_problem`), "digits" (a last-digit chain, `make_digit_problem`)
+    or "digit-sum" (a chain of one-token digits, `make_digit_sum_problem`).
     Raises ValueError if the split's problem space has fewer than `n` distinct problems.
     """
     if split not in SPLITS:

@@ -61,6 +61,26 @@ def test_digit_chains_are_correct_and_their_worked_reply_dominates(tok):
     assert "step each x = x" in tok.decode(s.next().input_ids)
 
 
+def test_digit_sum_chains_are_correct_one_token_per_value_and_their_reply_dominates(tok):
+    """form "digit-sum": every value is a digit 1..9 written as one token (so each step has the same
+    length), every step's digit sum is right, every reply is >= 3x its prompt with the template, and
+    the test split is large enough for the demo (90 problems) and disjoint from train."""
+    train = synthetic.make_split("train", 1000, seed=0, num_steps=(5, 7), form="digit-sum")
+    test = synthetic.make_split("test", 90, seed=0, num_steps=(5, 7), form="digit-sum")
+    assert not {x["problem"] for x in train} & {x["problem"] for x in test}
+    for item in train + test:
+        name, start, count, _, _, _, step, _ = item["problem"].replace(".", "").replace(" = ", " ").split(" ")
+        value, steps = int(start), item["solution"].split(". ")
+        for i in range(1, int(count) + 1):
+            value = (value + int(step) - 1) % 9 + 1
+            assert steps[i - 1] == f"{i}: {name} = {(value - int(step) - 1) % 9 + 1} + {step} = {value}", (item, i)
+            assert len(tok(steps[i - 1] + ".")["input_ids"]) == 10, steps[i - 1]
+        assert item["answer"] == str(value) and item["solution"].endswith(f"\\boxed{{{value}}}.")
+        prompt = tok.apply_chat_template(synthetic.to_messages(item, "solution")[:1], add_generation_prompt=True,
+                                         return_dict=True)["input_ids"]
+        assert len(tok(item["solution"])["input_ids"]) >= 3 * len(prompt), item
+
+
 def test_schemas_of_the_paper_datasets_become_chats():
     ace = {"category": "math", "source": "x", "input": "Q?", "output": "<think>r</think> A"}
     ot3 = {"difficulty": 5, "source": "y", "domain": "math",
