@@ -1,21 +1,21 @@
-"""A deterministic synthetic reasoning task: variable tracking with small arithmetic.
+"""Deterministic synthetic reasoning tasks, in three forms; every answer is written as \\boxed{...}.
 
-One problem is a chain of assignments, each using earlier variables, and a question
-about the last one; the final answer is written as \\boxed{...}:
+form "digit-sum" (`make_digit_sum_problem`), the demo's task: a chain of one-token digits 1..9, the
+same constant added at each step and the digit sum kept, worked one numbered step per line. The reply
+is 3.2-4.3x the prompt with the tiny tokenizer's chat template, so generated tokens dominate the KV
+cache as the paper's long reasoning does, and each step computes on the previous step's result:
+
+    problem:  y = 7. 6 step y + 4 sum.
+    solution: 1: y = 7 + 4 = 2. 2: y = 2 + 4 = 6. ... 6: y = 9 + 4 = 4. The answer is \\boxed{4}.
+
+form "variables" (`make_problem`, the default of `make_split`): a chain of assignments and a question
+about the last one, answered with the boxed answer alone:
 
     problem:  a = 7. b = a + 5. c = b - a. What is c?
     solution: b = 7 + 5 = 12. c = 12 - 7 = 5. The answer is \\boxed{5}.
-    answer:   5
 
-More steps need more sequential computation per token, which is where extra loops of a
-LoopLM help.
-
-form "digits" (`make_digit_problem`) is a last-digit chain whose worked reply is most of the
-sequence, as the paper's generated reasoning is (about 3.5x the prompt with the tiny tokenizer's
-chat template, 5-9 steps), each step a computation on the previous step's result:
-
-    problem:  x = 2. 6 step each x = x - 8 remainder 10.
-    solution: 1: x = 2 - 8 = 4. 2: x = 4 - 8 = 6. ... 6: x = 2 - 8 = 4. The answer is \\boxed{4}.
+form "digits" (`make_digit_problem`): a last-digit chain like "digit-sum", with + or - modulo 10
+(` 0` is two tokens, so steps differ in length; measured harder to learn than "digit-sum").
 
 Used as a built-in training source (`source: synthetic` in a recipe) and by
 the demo's LightEval task, so both must build prompts with `user_prompt`.

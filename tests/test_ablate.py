@@ -141,3 +141,24 @@ def test_library_modules_import_no_typer():
             "melt_eval.training.runs; print(sorted(m for m in sys.modules if m.split('.')[0] in ('typer', 'vllm')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]", out
+
+
+def test_runs_trained_side_by_side_equal_runs_trained_one_after_another(tmp_path, one_thread):
+    """`--jobs 2`: two phase-1 runs in worker processes, then the phase 2 that continues one of them,
+    give the same weights as the same plan trained in this process, one run at a time (one thread)."""
+    from safetensors.torch import load_file
+
+    fast = {"seq_len": 48, "micro_batch_size": 2, "batch_tokens": 96, "max_steps": 2, "warmup_steps": 1,
+            "chunk_size": 8, "save_every": 2, "tensorboard": False,
+            "data": [{"source": "synthetic", "n": 20, "num_steps": 1}]}
+    gates = ablations.plan("gates", "tiny", train_overrides=fast)
+    full = next(v for v in ablations.plan("components", "tiny", train_overrides=fast) if v.name == "full")
+    runs = [gates[1].train[0], *full.train]  # scalar gate; elementwise phase 1 and the phase 2 after it
+    assert isinstance(runs[2].start, ablations.TrainRun) and runs[2].start.run_id == runs[1].run_id
+    ablations.train_runs(runs, tmp_path / "seq", jobs=1, progress=False)
+    ablations.train_runs(runs, tmp_path / "par", jobs=2, progress=False)
+    for run in runs:
+        a, b = (load_file(tmp_path / d / run.run_id / "model.safetensors") for d in ("seq", "par"))
+        assert a.keys() == b.keys() and all(a[k].equal(b[k]) for k in a), run.run_id
+    # finished runs are skipped: nothing trains the second time
+    ablations.train_runs(runs, tmp_path / "par", jobs=2, progress=False)

@@ -166,8 +166,10 @@ def test_ladder_variant_builds_the_spec_objective(variant, looplm, batch):
     if want[3]:
         r2 = load_recipe(steps[1][1], overrides=steps[1][2])
         terms2, _ = forward_objective(student, looplm, batch, r2, 0, **counts(batch))
-        assert set(terms2.parts) == {"kd", "align", "sft"} and r2.align_beta == 0.1 and r2.alpha(0) == 1.0
-        assert terms2.total.item() == pytest.approx(terms2.parts["kd"] + 0.1 * terms2.parts["align"], rel=1e-5)
+        # the tiny recipe scales beta to the tiny model (see tiny-phase2.yaml); the paper's is 0.1
+        assert set(terms2.parts) == {"kd", "align", "sft"} and r2.align_beta > 0 and r2.alpha(0) == 1.0
+        assert load_recipe(training_steps(variant, base="paper")[1][1]).align_beta == 0.1
+        assert terms2.total.item() == pytest.approx(terms2.parts["kd"] + r2.align_beta * terms2.parts["align"], rel=1e-5)
 
 
 @pytest.mark.parametrize("variant", list(GATE_VARIANTS))

@@ -20,9 +20,12 @@ from contextlib import contextmanager
 DEFAULT_EVERY_S = 30.0
 
 
+PLAIN_ENV = "MELT_EVAL_PLAIN_PROGRESS"  # set (to 1): lines even on a terminal, as processes sharing one must
+
+
 def interactive() -> bool:
     """Both streams on a terminal: a bar can redraw in place. Otherwise (a log, a pipe) lines are printed."""
-    return sys.stdout.isatty() and sys.stderr.isatty()
+    return not os.environ.get(PLAIN_ENV) and sys.stdout.isatty() and sys.stderr.isatty()
 
 
 def cadence_s() -> float:

@@ -149,8 +149,55 @@ def train_run(run: TrainRun, runs_dir: Path, progress: bool = True) -> Path:
     start = train_run(run.start, runs_dir, progress) if isinstance(run.start, TrainRun) else run.start
     if progress:
         print(f"training {run.run_id} ({'resuming' if status == 'resume' else 'from ' + Path(str(start)).name})", flush=True)
-    run_recipe(run.recipe, str(start), out, overrides=dict(run.overrides), resume=status == "resume", progress=progress)
+    run_recipe(run.recipe, str(start), out, overrides=dict(run.overrides), resume=status == "resume", progress=progress,
+               label=run.run_id.rsplit("-", 1)[0])
     return out
+
+
+def train_runs(runs: list[TrainRun], runs_dir: Path, jobs: int = 1, progress: bool = True) -> None:
+    """Train every run not finished yet, `jobs` at a time, a run after the one it continues from.
+
+    Side by side, each run is a spawned process with one torch thread: a tiny model's chunk-wise step is
+    thousands of small operations that a second thread barely speeds up, so two one-thread runs finish
+    sooner than the same two runs one after the other with two threads (measured in the README). A
+    failed run stops the others from starting; those already running finish (and stay resumable)."""
+    pending: dict[str, TrainRun] = {}
+    for run in runs:
+        if _train_status(runs_dir / run.run_id) != "done":
+            pending.setdefault(run.run_id, run)
+    if jobs <= 1 or len(pending) <= 1:
+        for run in pending.values():
+            train_run(run, runs_dir, progress)
+        return
+    import multiprocessing
+    from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+
+    def waits_for(run: TrainRun) -> bool:
+        return isinstance(run.start, TrainRun) and (run.start.run_id in pending or run.start.run_id in running.values())
+
+    running: dict = {}  # future -> run id
+    with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn"), initializer=_side_by_side) as pool:
+        while pending or running:
+            for run_id, run in list(pending.items()):
+                if len(running) < jobs and not waits_for(run):
+                    running[pool.submit(train_run, run, runs_dir, progress)] = run_id
+                    del pending[run_id]
+            finished, _ = wait(running, return_when=FIRST_COMPLETED)
+            for future in finished:
+                running.pop(future)
+                future.result()  # a failure propagates (the pool lets running runs finish)
+
+
+def _side_by_side() -> None:
+    """A worker process of `train_runs`: one torch thread, and progress as plain lines (no bars to tangle)."""
+    import os
+
+    import torch
+
+    from melt_eval.evaluation.progress import PLAIN_ENV
+
+    os.environ[PLAIN_ENV] = "1"
+    torch.set_num_threads(1)
 
 
 def evaluate_once(model: str, results_dir: Path, name: str, tasks: str, *, evaluated: dict, eval_options: dict | None = None,
@@ -180,13 +227,14 @@ def evaluate_once(model: str, results_dir: Path, name: str, tasks: str, *, evalu
 
 
 def run_variants(variants: list[VariantPlan], *, runs_dir: Path, output: Path, tasks: str, backend: str = "native",
-                 eval_kwargs: dict | None = None, progress: bool = True, evaluated: dict | None = None) -> list[dict]:
-    """Train and evaluate every variant; a checkpoint evaluated once (per `evaluated`) is copied, not re-run."""
+                 eval_kwargs: dict | None = None, progress: bool = True, evaluated: dict | None = None,
+                 jobs: int = 1) -> list[dict]:
+    """Train every variant (`jobs` runs at a time), then evaluate each; a checkpoint evaluated once (per
+    `evaluated`) is copied, not re-run."""
     evaluated = {} if evaluated is None else evaluated
+    train_runs([run for v in variants for run in v.train], runs_dir, jobs, progress)
     results = []
     for v in variants:
-        for run in v.train:
-            train_run(run, runs_dir, progress)
         results += evaluate_once(_eval_model(v, runs_dir), output / "ablations" / v.ablation / v.name, v.name, tasks,
                                  evaluated=evaluated, eval_options=v.eval_options, backend=backend, progress=progress,
                                  **(eval_kwargs or {}))

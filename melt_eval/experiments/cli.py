@@ -27,6 +27,8 @@ def register(app: typer.Typer) -> None:
         max_steps: Optional[int] = typer.Option(None, "--max-steps", help="Cap every training run's steps."),
         data_dir: Optional[Path] = typer.Option(None, "--data-dir"),
         seed: int = typer.Option(0),
+        jobs: int = typer.Option(1, "--jobs", min=1, help="Training runs side by side, each its own process (CPU: one "
+                                 "torch thread each; GPU: each takes the visible devices, so keep 1)."),
         dry_run: bool = typer.Option(False, "--dry-run", help="Print every run with its command; run nothing."),
         progress: bool = typer.Option(True, "--progress/--no-progress"),
     ) -> None:
@@ -50,7 +52,7 @@ def register(app: typer.Typer) -> None:
         eval_kwargs = {k: v for k, v in dict(samples=samples, max_problems=max_problems, max_new_tokens=max_new_tokens,
                                              data_dir=data_dir, seed=seed).items() if v is not None}
         ablations.run_variants(variants, runs_dir=runs, output=output, tasks=tasks, backend=backend,
-                               eval_kwargs=eval_kwargs, progress=progress)
+                               eval_kwargs=eval_kwargs, progress=progress, jobs=jobs)
         from rich.markdown import Markdown
 
         from melt_eval.report.render import render_markdown
@@ -66,8 +68,10 @@ def register(app: typer.Typer) -> None:
                                               "demo-quick/, with -seedN for another seed)."),
         seed: int = typer.Option(0, "--seed", min=0, help="Seeds every training run and the sampling; the claims "
                                  "must hold for more than one."),
+        jobs: Optional[int] = typer.Option(None, "--jobs", min=1, help="MELT training runs side by side, one torch "
+                                           "thread each (default: the CPU cores, at most 4)."),
         progress: bool = typer.Option(True, "--progress/--no-progress"),
     ) -> None:
         """A miniature reproduction on the CPU: teacher, MELT, every ablation, every table and figure, and
         the paper's claims checked against the numbers."""
-        run_demo(output or default_output(quick, seed), quick=quick, progress=progress, seed=seed)
+        run_demo(output or default_output(quick, seed), quick=quick, progress=progress, seed=seed, jobs=jobs)

@@ -29,7 +29,7 @@ TASK = "synthetic"
 class DemoSize:
     pretrain: dict  # overrides of recipe pretrain-tiny
     melt: dict | None  # overrides of every tiny-phase1/2 run (None: the recipes as they are)
-    problems: int  # test problems evaluated (of 200)
+    problems: int  # test problems evaluated (of 100)
     loops: tuple[int, ...]  # T at inference for the loops figure
     max_new_tokens: int | None = None  # None: the task's own (room for the longest worked solution)
 
@@ -60,17 +60,26 @@ def default_output(quick: bool, seed: int) -> Path:
     return Path(("demo-quick" if quick else "demo") + (f"-seed{seed}" if seed else ""))
 
 
-def run_demo(output: Path, quick: bool = False, progress: bool = True, seed: int = 0) -> dict:
+def default_jobs() -> int:
+    """Side-by-side training runs: one per core this process may use, at most 4 (the demo trains 7 phase-1
+    runs that do not depend on each other)."""
+    import os
+
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, min(cores, 4))
+
+
+def run_demo(output: Path, quick: bool = False, progress: bool = True, seed: int = 0, jobs: int | None = None) -> dict:
     import torch
 
     threads = torch.get_num_threads()
     try:
-        return _run_demo(output, quick, progress, seed, threads)
+        return _run_demo(output, quick, progress, seed, threads, jobs or default_jobs())
     finally:
         torch.set_num_threads(threads)  # the demo may have lowered it on a busy machine
 
 
-def _run_demo(output: Path, quick: bool, progress: bool, seed: int, threads: int) -> dict:
+def _run_demo(output: Path, quick: bool, progress: bool, seed: int, threads: int, jobs: int) -> dict:
     size = QUICK if quick else FULL
     started = time.perf_counter()
     load_at_start = _load_average()
@@ -100,7 +109,7 @@ def _run_demo(output: Path, quick: bool, progress: bool, seed: int, threads: int
     say("melt+ablations", "[2/4] MELT and the ablations: gates, component ladder, untrained KV sharing")
     variants = [v for a in ablations.ABLATIONS for v in ablations.plan(a, "tiny", teacher_made_by, size.melt, seed=seed)]
     ablations.run_variants(variants, runs_dir=runs, output=results, tasks=TASK, eval_kwargs=ev, progress=progress,
-                           evaluated=evaluated)
+                           evaluated=evaluated, jobs=jobs)
     full = next(v for v in variants if v.ablation == "components" and v.name == "full")
     melt = str(runs / full.train[-1].run_id)
 

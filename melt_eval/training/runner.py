@@ -409,7 +409,8 @@ def _prepare_output(output: Path, recipe: Recipe, resume: bool) -> tuple[Recipe,
     return recipe, candidates, notes + ckpt_notes
 
 
-def train(recipe: Recipe, output: str | Path, *, resume: bool = False, progress: bool = True, stop_after: int | None = None) -> Path:
+def train(recipe: Recipe, output: str | Path, *, resume: bool = False, progress: bool = True, stop_after: int | None = None,
+          label: str | None = None) -> Path:
     """Run a recipe; returns the output directory (the final model is written there).
 
     The output directory is locked for the run (melt_eval.files.DirLock): a second `train` into it
@@ -422,11 +423,12 @@ def train(recipe: Recipe, output: str | Path, *, resume: bool = False, progress:
     # the main process holds the lock for all of them (other ranks write only checkpoint shards)
     lock = DirLock(output, "training run") if PartialState().is_main_process else contextlib.nullcontext()
     with lock:
-        return _train(recipe, output, resume=resume, progress=progress, stop_after=stop_after)
+        return _train(recipe, output, resume=resume, progress=progress, stop_after=stop_after, label=label)
 
 
 @torch.enable_grad()  # whatever the caller's mode (an evaluation earlier in the process may have turned it off)
-def _train(recipe: Recipe, output: Path, *, resume: bool, progress: bool, stop_after: int | None) -> Path:
+def _train(recipe: Recipe, output: Path, *, resume: bool, progress: bool, stop_after: int | None,
+           label: str | None = None) -> Path:
     from accelerate import Accelerator
     from accelerate.utils import set_seed
 
@@ -490,7 +492,8 @@ def _train(recipe: Recipe, output: Path, *, resume: bool, progress: bool, stop_a
         return write_checkpoint(accelerator, output, trainer_state, recipe.keep_checkpoints, last_good)
 
     bar = _progress(progress and main)
-    task = bar.add_task(f"{recipe.target} phase {recipe.phase}" if recipe.target == "melt" else "looplm", total=recipe.max_steps, completed=start_step, status="")
+    default_label = f"{recipe.target} phase {recipe.phase}" if recipe.target == "melt" else "looplm"
+    task = bar.add_task(label or default_label, total=recipe.max_steps, completed=start_step, status="")
     end_step = recipe.max_steps if stop_after is None else min(recipe.max_steps, stop_after)
     try:
         with bar:
@@ -641,8 +644,9 @@ def _progress(enabled: bool):
 
 def run_recipe(name: str | Recipe, from_model: str | None = None, output: str | Path = "runs/melt", *,
                overrides: dict | None = None, config_file: str | None = None, resume: bool = False,
-               progress: bool = True, stop_after: int | None = None) -> Path:
-    """Python entry point (used by the CLI, `ablate` and the demo): resolve a recipe and train it."""
+               progress: bool = True, stop_after: int | None = None, label: str | None = None) -> Path:
+    """Python entry point (used by the CLI, `ablate` and the demo): resolve a recipe and train it.
+    `label` names the run in progress lines (runs trained side by side must be told apart)."""
     from melt_eval.training.config import _check_keys, load_recipe
 
     if isinstance(name, Recipe):
@@ -656,4 +660,4 @@ def run_recipe(name: str | Recipe, from_model: str | None = None, output: str | 
         if from_model is not None:
             overrides["from_model"] = from_model
         recipe = load_recipe(name, config_file=config_file, overrides=overrides)
-    return train(recipe, output, resume=resume, progress=progress, stop_after=stop_after)
+    return train(recipe, output, resume=resume, progress=progress, stop_after=stop_after, label=label)
