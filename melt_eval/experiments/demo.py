@@ -61,7 +61,7 @@ def default_output(quick: bool, seed: int) -> Path:
 
 
 def default_jobs() -> int:
-    """Side-by-side training runs: one per core this process may use, at most 4 (the demo trains 7 phase-1
+    """Side-by-side training runs: one per core this process may use, at most 4 (the demo trains 8 phase-1
     runs that do not depend on each other)."""
     import os
 
