@@ -394,6 +394,10 @@ class LoopLMForCausalLM(LoopLMPreTrainedModel):
                     for t, z in enumerate(extra["gates"][i]):
                         if z is not None:
                             gates[i][t].append(z)
+        # The store's latest commit token links it to the graph whose nodes hold the store: a reference
+        # cycle through autograd's C++ nodes that Python's collector cannot free (each step leaked its buffers).
+        if hasattr(policy, "store"):
+            policy.store.token = None
         last = torch.cat(hidden, dim=1)
         out = LoopLMOutput(last_hidden_state=last)
         if compute_logits:
