@@ -87,13 +87,12 @@ def test_a_checkpoint_evaluated_once_is_copied_not_rerun(tmp_path, monkeypatch):
         return [json.loads(out.read_text())]
 
     monkeypatch.setattr(evaluation, "run_tasks", fake_run_tasks)
-    evaluated: dict = {}
-    ablations.evaluate_once("teacher", tmp_path / "kv" / "ouro", "ouro", "synthetic", evaluated=evaluated,
-                            eval_options={"kv_sharing": None, "share_prompt": False})
-    res = ablations.evaluate_once("teacher", tmp_path / "ouro-tiny", "ouro-tiny", "synthetic", evaluated=evaluated)
-    assert generated == ["ouro"] and res[0]["model"] == "ouro-tiny"
-    ablations.evaluate_once("teacher", tmp_path / "kv" / "last", "last", "synthetic", evaluated=evaluated,
-                            eval_options={"kv_sharing": "last", "share_prompt": True})
+    E = ablations.Evaluation
+    res = ablations.evaluate_all([E("teacher", tmp_path / "kv" / "ouro", "ouro", {"kv_sharing": None, "share_prompt": False}),
+                                  E("teacher", tmp_path / "ouro-tiny", "ouro-tiny"),
+                                  E("teacher", tmp_path / "kv" / "last", "last", {"kv_sharing": "last", "share_prompt": True})],
+                                 "synthetic")
+    assert [r["model"] for r in res] == ["ouro", "ouro-tiny", "last"]
     assert generated == ["ouro", "last"]  # other options: evaluated, not copied
 
 

@@ -200,42 +200,100 @@ def _side_by_side() -> None:
     torch.set_num_threads(1)
 
 
-def evaluate_once(model: str, results_dir: Path, name: str, tasks: str, *, evaluated: dict, eval_options: dict | None = None,
-                  backend: str = "native", progress: bool = True, **eval_kwargs) -> list[dict]:
-    """`run_tasks` into `results_dir`, copying the results of the same model and options evaluated earlier."""
+@dataclass(frozen=True)
+class Evaluation:
+    """`model` evaluated into `results_dir` under `name`, with the inference options that set it apart
+    (kv_sharing, share_prompt, loops); the options every evaluation shares are `evaluate_all`'s."""
+
+    model: str
+    results_dir: Path
+    name: str
+    options: dict = field(default_factory=dict)
+
+    @property
+    def key(self) -> tuple[str, str]:
+        """Equal keys compute equal results: options left at their defaults (None/False) are left out."""
+        return str(self.model), json.dumps({k: v for k, v in self.options.items() if v}, sort_keys=True)
+
+
+def variant_evaluations(variants: list[VariantPlan], runs_dir: Path, output: Path) -> list[Evaluation]:
+    """Each variant's evaluation: results/ablations/<ablation>/<variant>/."""
+    return [Evaluation(_eval_model(v, runs_dir), output / "ablations" / v.ablation / v.name, v.name, dict(v.eval_options))
+            for v in variants]
+
+
+def evaluate_all(evaluations: list[Evaluation], tasks: str, *, jobs: int = 1, backend: str = "native",
+                 progress: bool = True, **eval_kwargs) -> list[dict]:
+    """Every evaluation, each (model, options) generated once: a second evaluation of the same checkpoint
+    with the same options gets a copy of the first one's results under its own name.
+
+    With `jobs` > 1 on a CPU (native backend), the evaluations left to do run side by side, each in a
+    spawned process with one torch thread, as training's runs do; the results are the same (every
+    sample is seeded by its problem). A failure propagates once the running ones finish."""
+    first: dict[tuple[str, str], Evaluation] = {}
+    for e in evaluations:
+        first.setdefault(e.key, e)
+    todo = [e for e in first.values() if not _finished(e.results_dir, tasks)]
+    if jobs > 1 and len(todo) > 1 and backend == "native" and not _cuda():
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor
+
+        with ProcessPoolExecutor(min(jobs, len(todo)), mp_context=multiprocessing.get_context("spawn"),
+                                 initializer=_side_by_side) as pool:
+            for future in [pool.submit(_evaluate, e, tasks, backend, progress, eval_kwargs) for e in todo]:
+                future.result()
+    results = []
+    for e in evaluations:
+        if first[e.key] is not e:
+            _copy_results(first[e.key].results_dir, e.results_dir, e.name, tasks)
+        results += _evaluate(e, tasks, backend, progress, eval_kwargs)  # a finished task is read back, not re-run
+    return results
+
+
+def _evaluate(e: Evaluation, tasks: str, backend: str, progress: bool, eval_kwargs: dict) -> list[dict]:
     from melt_eval.evaluation import BackendSettings, RunPaths, run_tasks
-    from melt_eval.evaluation.tasks import expand
     from melt_eval.generation.options import InferenceOptions
 
-    eval_options = eval_options or {}
-    # options left at their defaults (None/False) compute the same thing as options left out
-    key = (str(model), json.dumps({k: v for k, v in eval_options.items() if v}, sort_keys=True))
-    if key in evaluated and evaluated[key] != results_dir:
-        for task in expand(tasks):
-            src, dst = evaluated[key] / task, results_dir / task
-            if (src / "results.json").exists() and not dst.exists():
-                shutil.copytree(src, dst)
-                data = json.loads((dst / "results.json").read_text())
-                data["model"] = name
-                (dst / "results.json").write_text(json.dumps(data, indent=2) + "\n")
-    flags = {**eval_options, **eval_kwargs}
+    flags = {**e.options, **eval_kwargs}
     max_problems = flags.pop("max_problems", None)
-    results = run_tasks(tasks, model, InferenceOptions.from_flags(**flags), RunPaths(results_dir=results_dir, name=name),
-                        backend=BackendSettings(kind=backend), max_problems=max_problems, progress=progress)
-    evaluated.setdefault(key, results_dir)
-    return results
+    return run_tasks(tasks, e.model, InferenceOptions.from_flags(**flags), RunPaths(results_dir=e.results_dir, name=e.name),
+                     backend=BackendSettings(kind=backend), max_problems=max_problems, progress=progress)
+
+
+def _finished(results_dir: Path, tasks: str) -> bool:
+    """Every task's results.json says finished (run_tasks still checks that its settings match)."""
+    from melt_eval.evaluation.tasks import expand
+
+    for task in expand(tasks):
+        try:
+            if not json.loads((results_dir / task / "results.json").read_text()).get("finished"):
+                return False
+        except (OSError, ValueError):
+            return False
+    return True
+
+
+def _copy_results(src: Path, dst: Path, name: str, tasks: str) -> None:
+    from melt_eval.evaluation.tasks import expand
+    from melt_eval.files import write_json_atomic
+
+    for task in expand(tasks):
+        if (src / task / "results.json").exists() and not (dst / task).exists():
+            shutil.copytree(src / task, dst / task)
+            data = json.loads((dst / task / "results.json").read_text())
+            data["model"] = name
+            write_json_atomic(dst / task / "results.json", data)
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def run_variants(variants: list[VariantPlan], *, runs_dir: Path, output: Path, tasks: str, backend: str = "native",
-                 eval_kwargs: dict | None = None, progress: bool = True, evaluated: dict | None = None,
-                 jobs: int = 1) -> list[dict]:
-    """Train every variant (`jobs` runs at a time), then evaluate each; a checkpoint evaluated once (per
-    `evaluated`) is copied, not re-run."""
-    evaluated = {} if evaluated is None else evaluated
+                 eval_kwargs: dict | None = None, progress: bool = True, jobs: int = 1) -> list[dict]:
+    """Train every variant, then evaluate each, `jobs` at a time (see `train_runs`, `evaluate_all`)."""
     train_runs([run for v in variants for run in v.train], runs_dir, jobs, progress)
-    results = []
-    for v in variants:
-        results += evaluate_once(_eval_model(v, runs_dir), output / "ablations" / v.ablation / v.name, v.name, tasks,
-                                 evaluated=evaluated, eval_options=v.eval_options, backend=backend, progress=progress,
-                                 **(eval_kwargs or {}))
-    return results
+    return evaluate_all(variant_evaluations(variants, runs_dir, output), tasks, jobs=jobs, backend=backend,
+                        progress=progress, **(eval_kwargs or {}))

@@ -28,7 +28,8 @@ def register(app: typer.Typer) -> None:
         data_dir: Optional[Path] = typer.Option(None, "--data-dir"),
         seed: int = typer.Option(0),
         jobs: int = typer.Option(1, "--jobs", min=1, help="Training runs side by side, each its own process (CPU: one "
-                                 "torch thread each; GPU: each takes the visible devices, so keep 1)."),
+                                 "torch thread each, and CPU evaluations likewise; GPU: each takes the visible devices, "
+                                 "so keep 1)."),
         dry_run: bool = typer.Option(False, "--dry-run", help="Print every run with its command; run nothing."),
         progress: bool = typer.Option(True, "--progress/--no-progress"),
     ) -> None:
@@ -68,8 +69,8 @@ def register(app: typer.Typer) -> None:
                                               "demo-quick/, with -seedN for another seed)."),
         seed: int = typer.Option(0, "--seed", min=0, help="Seeds every training run and the sampling; the claims "
                                  "must hold for more than one."),
-        jobs: Optional[int] = typer.Option(None, "--jobs", min=1, help="MELT training runs side by side, one torch "
-                                           "thread each (default: the CPU cores, at most 4)."),
+        jobs: Optional[int] = typer.Option(None, "--jobs", min=1, help="Training runs and evaluations side by side, "
+                                           "one torch thread each (default: the CPU cores, at most 4)."),
         progress: bool = typer.Option(True, "--progress/--no-progress"),
     ) -> None:
         """A miniature reproduction on the CPU: teacher, MELT, every ablation, every table and figure, and

@@ -84,7 +84,6 @@ def _run_demo(output: Path, quick: bool, progress: bool, seed: int, threads: int
     started = time.perf_counter()
     load_at_start = _load_average()
     runs, results = output / "runs", output / "results"
-    evaluated: dict = {}
     ev = eval_settings(size, seed)
 
     stages: dict[str, float] = {}  # wall seconds per stage (a cached stage takes seconds)
@@ -106,27 +105,18 @@ def _run_demo(output: Path, quick: bool, progress: bool, seed: int, threads: int
     teacher_made_by = teacher_run(size, seed)
     teacher = str(ablations.train_run(teacher_made_by, runs, progress))
 
-    say("melt+ablations", "[2/4] MELT and the ablations: gates, component ladder, untrained KV sharing")
+    say("training", "[2/4] MELT and the ablations: gates, component ladder (the KV-sharing rows need no training)")
     variants = [v for a in ablations.ABLATIONS for v in ablations.plan(a, "tiny", teacher_made_by, size.melt, seed=seed)]
-    ablations.run_variants(variants, runs_dir=runs, output=results, tasks=TASK, eval_kwargs=ev, progress=progress,
-                           evaluated=evaluated, jobs=jobs)
+    ablations.train_runs([run for v in variants for run in v.train], runs, jobs, progress)
+
+    say("evaluation", "[3/4] every model on the test split: the ablations, the main comparison, the loops figure")
     full = next(v for v in variants if v.ablation == "components" and v.name == "full")
-    melt = str(runs / full.train[-1].run_id)
-
-    say("main+loops", "[3/4] the main comparison and the loops figure")
-    main = {"ouro-tiny": teacher, "melt-tiny": melt}
-    for name, model in main.items():
-        ablations.evaluate_once(model, results / name, name, TASK, evaluated=evaluated, progress=progress, **ev)
-        for loops in size.loops:
-            if loops != 4:  # T = 4 is the main result
-                from melt_eval.evaluation import RunPaths, run_tasks
-                from melt_eval.generation.options import InferenceOptions
-
-                flags = dict(ev, loops=loops)
-                max_problems = flags.pop("max_problems", None)
-                run_tasks(TASK, model, InferenceOptions.from_flags(**flags),
-                          RunPaths(results_dir=results / "loops" / f"{name}-T{loops}", name=name),
-                          max_problems=max_problems, progress=progress)
+    main = {"ouro-tiny": teacher, "melt-tiny": str(runs / full.train[-1].run_id)}
+    evaluations = ablations.variant_evaluations(variants, runs, results)
+    evaluations += [ablations.Evaluation(model, results / name, name) for name, model in main.items()]
+    evaluations += [ablations.Evaluation(model, results / "loops" / f"{name}-T{loops}", name, {"loops": loops})
+                    for name, model in main.items() for loops in size.loops if loops != 4]  # T = 4 is the main result
+    ablations.evaluate_all(evaluations, TASK, jobs=jobs, progress=progress, **ev)
 
     say("report", "[4/4] the report")
     from melt_eval.files import write_json_atomic
