@@ -24,11 +24,24 @@ TINY_OPTIONS = InferenceOptions(sampling=Sampling(samples=2, max_new_tokens=4))
 TINY = dict(max_problems=4, progress=False)
 
 
+class InFlight:
+    """Completions in flight over several FakeServers at once, and the most there ever were."""
+
+    def __init__(self):
+        self.lock, self.now, self.peak = threading.Lock(), 0, 0
+
+    def add(self, n: int) -> None:
+        with self.lock:
+            self.now += n
+            self.peak = max(self.peak, self.now)
+
+
 class FakeServer:
     """A threaded HTTP server in this process; `fail` maps a request number (1-based) to a status."""
 
-    def __init__(self, name="fake-model", version="0.32.0-fake", delay_s=0.0):
+    def __init__(self, name="fake-model", version="0.32.0-fake", delay_s=0.0, shared: InFlight | None = None):
         self.name, self.version, self.delay_s = name, version, delay_s
+        self.shared = shared or InFlight()
         self.requests: list[dict] = []
         self.fail: dict[int, int] = {}
         self.fail_prompt_after: int | None = None  # answer 400 to every completion after this many
@@ -63,6 +76,7 @@ class FakeServer:
                     number = len(server.requests)
                     server.in_flight += 1
                     server.max_in_flight = max(server.max_in_flight, server.in_flight)
+                server.shared.add(1)
                 try:
                     time.sleep(server.delay_s)
                     if number in server.fail:
@@ -75,6 +89,7 @@ class FakeServer:
                                for i in range(body["n"])]
                     self._send(200, {"choices": choices, "usage": {"completion_tokens": 2 * body["n"]}, "model": server.name})
                 finally:
+                    server.shared.add(-1)
                     with server.lock:
                         server.in_flight -= 1
 
@@ -159,15 +174,28 @@ def test_connection_errors_fail_over_to_another_replica(fake):
 
 
 def test_concurrency_is_bounded_and_spread_over_replicas():
-    servers = [FakeServer(delay_s=0.05), FakeServer(delay_s=0.05)]
+    both = InFlight()
+    servers = [FakeServer(delay_s=0.05, shared=both), FakeServer(delay_s=0.05, shared=both)]
     try:
         ep = Endpoint([s.url for s in servers], max_concurrency=3)
         reqs = [dict(prompt_ids=[i], n=1, temperature=1.0, top_p=1.0, max_tokens=2, seed=i) for i in range(24)]
         got = dict(ep.complete_many(reqs))
         assert sorted(got) == list(range(24))
-        assert sum(s.max_in_flight for s in servers) <= 3 and max(s.max_in_flight for s in servers) >= 1
+        assert 1 <= both.peak <= 3  # over both replicas at once
         assert all(len(s.requests) >= 6 for s in servers)  # both replicas did a fair share
         assert got[5].token_ids[0][0] == (5 + 5) % 50 + 10  # each answer belongs to its own request
+    finally:
+        for s in servers:
+            s.close()
+
+
+def test_requests_sent_one_at_a_time_take_the_replicas_in_turn():
+    servers = [FakeServer(), FakeServer(), FakeServer()]
+    try:
+        ep = Endpoint([s.url for s in servers], max_concurrency=1)
+        reqs = [dict(prompt_ids=[i], n=1, temperature=1.0, top_p=1.0, max_tokens=2, seed=i) for i in range(9)]
+        assert sorted(dict(ep.complete_many(reqs))) == list(range(9))
+        assert [len(s.requests) for s in servers] == [3, 3, 3]
     finally:
         for s in servers:
             s.close()

@@ -71,6 +71,7 @@ class Endpoint:
         limits = httpx.Limits(max_connections=max_concurrency, max_keepalive_connections=max_concurrency)
         self._client = httpx.Client(timeout=timeout, limits=limits, headers=headers)
         self._in_flight = {url: 0 for url in self.base_urls}
+        self._picks = 0  # rotates ties between equally busy URLs
         self._lock = threading.Lock()
         self.served_model: str | None = None
         self.vllm_version: str | None = None
@@ -184,7 +185,11 @@ class Endpoint:
     def _pick(self, avoid: str | None = None) -> str:
         with self._lock:
             candidates = [u for u in self.base_urls if u != avoid] or self.base_urls
-            url = min(candidates, key=lambda u: self._in_flight[u])
+            # the least busy URL; ties taken in turn, or requests sent one at a time (or whenever every
+            # replica is idle) would all go to the first URL
+            n, turn = len(self.base_urls), self._picks
+            url = min(candidates, key=lambda u: (self._in_flight[u], (self.base_urls.index(u) - turn) % n))
+            self._picks += 1
             self._in_flight[url] += 1
             return url
 
