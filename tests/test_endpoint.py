@@ -41,11 +41,10 @@ class FakeServer:
 
     def __init__(self, name="fake-model", version="0.32.0-fake", delay_s=0.0, shared: InFlight | None = None):
         self.name, self.version, self.delay_s = name, version, delay_s
-        self.shared = shared or InFlight()
+        self.shared = shared or InFlight()  # completions in flight (with other servers' when shared)
         self.requests: list[dict] = []
         self.fail: dict[int, int] = {}
         self.fail_prompt_after: int | None = None  # answer 400 to every completion after this many
-        self.in_flight = self.max_in_flight = 0
         self.lock = threading.Lock()
         server = self
 
@@ -74,8 +73,6 @@ class FakeServer:
                 with server.lock:
                     server.requests.append(body)
                     number = len(server.requests)
-                    server.in_flight += 1
-                    server.max_in_flight = max(server.max_in_flight, server.in_flight)
                 server.shared.add(1)
                 try:
                     time.sleep(server.delay_s)
@@ -90,8 +87,6 @@ class FakeServer:
                     self._send(200, {"choices": choices, "usage": {"completion_tokens": 2 * body["n"]}, "model": server.name})
                 finally:
                     server.shared.add(-1)
-                    with server.lock:
-                        server.in_flight -= 1
 
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
