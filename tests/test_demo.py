@@ -47,6 +47,11 @@ def test_quick_demo_writes_every_table_and_figure(quick_demo):
     summary = json.loads((quick_demo / "demo.json").read_text())
     assert 0.0 <= summary["teacher_pass@1"] <= 1.0 and 0.0 <= summary["melt_pass@1"] <= 1.0
     assert summary["wall_time_s"] > 0 and len(summary["load_average"]["start"]) == 3
+    # each model's reply loss loop by loop, as scripts/loop_predictions.py prints it
+    for name in ("ouro-tiny", "melt-tiny"):
+        rows = summary["loop_profile"][name]
+        assert [r["loop"] for r in rows] == [1, 2, 3, 4] and rows[-1]["distance_to_last"] == 0.0
+        assert all(r["reply_loss"] >= 0 and 0 <= r["greedy_error"] <= 1 for r in rows)
     # the claims table, computed from the results, as report/claims.json too
     claims = json.loads((quick_demo / "report" / "claims.json").read_text())
     assert len(claims) == 6 and all({"claim", "measured", "threshold", "holds"} <= set(c) for c in claims)
@@ -86,10 +91,15 @@ def test_second_run_only_re_renders(quick_demo, monkeypatch):
     monkeypatch.setattr(runner, "train", refuse)
     monkeypatch.setattr(lm.NativeBackend, "generate", refuse)
     before = (quick_demo / "results" / "melt-tiny" / "synthetic" / "results.json").read_text()
+    first = json.loads((quick_demo / "demo.json").read_text())
     # the same directory spelled another way (absolute): still the same runs and results
     res = CliRunner().invoke(app, ["demo", "--quick", "--output", str(quick_demo), "--no-progress"])
     assert res.exit_code == 0, res.output + repr(res.exception)
     assert (quick_demo / "results" / "melt-tiny" / "synthetic" / "results.json").read_text() == before
+    # the run that did the work keeps its timings beside the re-render's
+    again = json.loads((quick_demo / "demo.json").read_text())
+    assert again["previous_runs"][-1] == {k: first[k] for k in ("wall_time_s", "stages_s", "load_average")}
+    assert again["wall_time_s"] < first["wall_time_s"]
 
 
 @pytest.mark.slow

@@ -119,6 +119,7 @@ def _run_demo(output: Path, quick: bool, progress: bool, seed: int, threads: int
     ablations.evaluate_all(evaluations, TASK, jobs=jobs, progress=progress, **ev)
 
     say("report", "[4/4] the report")
+    from melt_eval.experiments.loop_profile import SEQUENCES, checkpoint_profile, summary_line
     from melt_eval.files import write_json_atomic
     from melt_eval.report.claims import paper_claims
     from melt_eval.report.render import print_tables, render_markdown_report
@@ -131,6 +132,8 @@ def _run_demo(output: Path, quick: bool, progress: bool, seed: int, threads: int
     (output / "report" / "paper_tables.md").write_text(render_markdown_report(paper_tables))
     claims = paper_claims(load_results(results))
     write_json_atomic(output / "report" / "claims.json", [c.to_json() for c in claims])
+    # where each model does its work, loop by loop: the README traces the conversion's seed dependence to it
+    profiles = {name: checkpoint_profile(model) for name, model in main.items()}
 
     def pass_at_1(name: str) -> float:
         return json.loads((results / name / TASK / "results.json").read_text())["metrics"]["pass@1"]["value"]
@@ -139,9 +142,10 @@ def _run_demo(output: Path, quick: bool, progress: bool, seed: int, threads: int
     summary = {
         "quick": quick, "seed": seed, "wall_time_s": round(time.perf_counter() - started, 1), "stages_s": stages,
         "load_average": {"start": load_at_start, "end": _load_average()},
-        "teacher_pass@1": pass_at_1("ouro-tiny"), "melt_pass@1": pass_at_1("melt-tiny"),
+        "teacher_pass@1": pass_at_1("ouro-tiny"), "melt_pass@1": pass_at_1("melt-tiny"), "loop_profile": profiles,
         "claims_hold": sum(c.holds is True for c in claims), "claims": len(claims),
         "files": [str(f) for f in report["files"]] + [str(output / "report" / f) for f in ("paper_tables.md", "claims.json")],
+        "previous_runs": _previous_runs(output / "demo.json"),
     }
     write_json_atomic(output / "demo.json", summary)
     if progress:
@@ -157,6 +161,8 @@ def _run_demo(output: Path, quick: bool, progress: bool, seed: int, threads: int
         _echo(f"pass@1 on the synthetic test split: teacher (ouro-tiny) {100 * summary['teacher_pass@1']:.1f}%, "
               f"MELT (melt-tiny) {100 * summary['melt_pass@1']:.1f}%"
               + ("" if quick or summary["teacher_pass@1"] >= 0.5 else " (the teacher is below the 50% the full demo aims for)"))
+        _echo(f"reply loss at each loop, teacher-forced on {SEQUENCES} training chats (demo.json loop_profile): "
+              + "; ".join(f"{name} {summary_line(rows)}" for name, rows in profiles.items()))
         _heading("The paper's claims, checked against these results (report/claims.json):")
         for c in claims:  # one line each: readable in a log as on a terminal
             mark = {True: "\u2713", False: "\u2717", None: "n/a"}[c.holds]
@@ -164,6 +170,19 @@ def _run_demo(output: Path, quick: bool, progress: bool, seed: int, threads: int
             _echo(f"  {mark} {c.claim}: {c.measured or 'not run'} (needs {c.threshold}{paper})")
         _echo(f"{summary['claims_hold']} of {summary['claims']} claims hold" + (" (--quick: its numbers mean nothing)" if quick else ""))
     return summary
+
+
+def _previous_runs(path: Path) -> list[dict]:
+    """The timings of every earlier run in this directory, oldest first: a re-run that only re-renders must
+    not overwrite the wall time of the run that trained and evaluated."""
+    try:
+        old = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return []
+    if not isinstance(old, dict):
+        return []
+    timing = {k: old[k] for k in ("wall_time_s", "stages_s", "load_average") if k in old}
+    return list(old.get("previous_runs", [])) + ([timing] if timing else [])
 
 
 def _pick_threads(report: bool, default: int) -> None:

@@ -1,10 +1,13 @@
-"""scripts/loop_predictions.py: each loop's reply loss and error, as the README's teacher comparison reads them."""
+"""Each loop's reply loss and error (`melt_eval.experiments.loop_profile`, `scripts/loop_predictions.py`), as
+the demo records them and the README's teacher comparison reads them."""
 
 import importlib.util
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+from melt_eval.experiments.loop_profile import loop_profile, summary_line
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "loop_predictions.py"
 
@@ -19,7 +22,7 @@ def _script():
 def test_each_loop_is_scored_on_reply_tokens_only(random_looplm, training_batch, one_thread):
     model = random_looplm(0.2).eval()
     batch = training_batch(12, pad_from=9, loss_from=(4, 3))
-    rows = _script().loop_predictions(model, batch)
+    rows = loop_profile(model, batch)
 
     assert [r["loop"] for r in rows] == list(range(1, model.config.total_ut_steps + 1))
     assert rows[-1]["distance_to_last"] == 0.0 and all(r["distance_to_last"] > 0 for r in rows[:-1])
@@ -32,6 +35,7 @@ def test_each_loop_is_scored_on_reply_tokens_only(random_looplm, training_batch,
     assert rows[-1]["greedy_error"] == (picked.argmax(-1) != targets).float().mean().item()
     # an earlier loop reads other logits
     assert rows[0]["reply_loss"] != rows[-1]["reply_loss"]
+    assert summary_line(rows).count(" / ") == len(rows) - 1
 
 
 def test_tiny_checkpoint_end_to_end(tmp_path, capsys, one_thread):
