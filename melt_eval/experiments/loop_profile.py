@@ -3,8 +3,8 @@
 Teacher-forced on chats from a recipe's data (the synthetic task's train split by default), a checkpoint
 runs as it decodes (Ouro with its per-loop cache, MELT one token per chunk) and each loop's logits are
 scored. A teacher that is already right at loops 2-3 works early; one near chance until loop 4 works
-late, and the demo's conversion recipe kept far more of a late teacher's accuracy than of early ones'
-(README, "What the demo measured"). The demo records both of its models' profiles (`demo.json`,
+late; with 200 phase-1 steps the demo's conversion kept far more of a late teacher's accuracy than of
+early ones' (README, "What the demo measured"). The demo records both of its models' profiles (`demo.json`,
 `loop_profile`); `scripts/loop_predictions.py` prints them for any checkpoints.
 """
 
