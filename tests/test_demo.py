@@ -102,6 +102,26 @@ def test_second_run_only_re_renders(quick_demo, monkeypatch):
     assert again["wall_time_s"] < first["wall_time_s"]
 
 
+def test_results_made_with_other_settings_stop_the_demo_with_a_hint(quick_demo, monkeypatch, capsys):
+    """An output directory evaluated with other settings (an older melt-eval's problem count): one line
+    saying what to move aside, exit code 2, and neither training nor the results already there touched."""
+    import dataclasses
+
+    import melt_eval.training.runner as runner
+    from melt_eval.experiments import demo
+    from helpers import main_exit_code
+
+    monkeypatch.setattr(runner, "train", lambda *a, **k: pytest.fail("the trained models must be reused"))
+    monkeypatch.setattr(demo, "QUICK", dataclasses.replace(demo.QUICK, problems=demo.QUICK.problems + 1))
+    result_file = quick_demo / "results" / "melt-tiny" / "synthetic" / "results.json"
+    before = result_file.read_text()
+    code = main_exit_code(["demo", "--quick", "--output", quick_demo, "--no-progress"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1, err
+    assert "max_problems differ" in err and "move it aside" in err and str(quick_demo / "runs") in err, err
+    assert result_file.read_text() == before
+
+
 @pytest.mark.slow
 def test_full_demo_teacher_reaches_half_pass_at_1(tmp_path):
     """The full demo's teacher, trained by its recipe and evaluated as the demo evaluates it, answers at

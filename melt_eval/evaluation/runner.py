@@ -21,7 +21,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from melt_eval.errors import UserError
+from melt_eval.errors import SettingsChanged, UserError
 from melt_eval.evaluation import data
 from melt_eval.evaluation.lighteval_model import (
     CompletionStore,
@@ -175,7 +175,7 @@ def _differences(a: dict, b: dict) -> list[str]:
 
 
 def read_finished(task_dir: Path, identity: dict | None = None) -> dict | None:
-    """The finished result in `task_dir`, if any; one computed with other settings is a UserError."""
+    """The finished result in `task_dir`, if any; one computed with other settings is a SettingsChanged error."""
     path = task_dir / "results.json"
     if not path.exists():
         return None
@@ -186,9 +186,10 @@ def read_finished(task_dir: Path, identity: dict | None = None) -> dict | None:
     if not isinstance(result, dict) or result.get("finished") is not True:  # "finished": "no" is not finished
         return None
     if identity is not None and (changed := _differences(result, identity)):
-        raise UserError(
+        raise SettingsChanged(
             f"{task_dir} holds a finished run with other settings ({', '.join(changed)} differ); "
-            "pass --force to replace it or --output to write elsewhere"
+            "pass --force to replace it or --output to write elsewhere",
+            changed,
         )
     return result
 
@@ -214,9 +215,10 @@ def _claim(task_dir: Path, identity: dict, force: bool) -> None:
         if not isinstance(previous, dict):
             previous = {}
         if changed := _differences(previous, identity):
-            raise UserError(
+            raise SettingsChanged(
                 f"{task_dir} holds a run with other settings ({', '.join(changed)} differ); "
-                "pass --force to replace it or --output to write elsewhere"
+                "pass --force to replace it or --output to write elsewhere",
+                changed,
             )
         return
     task_dir.mkdir(parents=True, exist_ok=True)
