@@ -174,6 +174,11 @@ def _differences(a: dict, b: dict) -> list[str]:
     return keys
 
 
+def _settings_changed(task_dir: Path, what: str, changed: list[str]) -> SettingsChanged:
+    return SettingsChanged(f"{task_dir} holds {what} with other settings ({', '.join(changed)} differ); "
+                           "pass --force to replace it or --output to write elsewhere", changed)
+
+
 def read_finished(task_dir: Path, identity: dict | None = None) -> dict | None:
     """The finished result in `task_dir`, if any; one computed with other settings is a SettingsChanged error."""
     path = task_dir / "results.json"
@@ -186,11 +191,7 @@ def read_finished(task_dir: Path, identity: dict | None = None) -> dict | None:
     if not isinstance(result, dict) or result.get("finished") is not True:  # "finished": "no" is not finished
         return None
     if identity is not None and (changed := _differences(result, identity)):
-        raise SettingsChanged(
-            f"{task_dir} holds a finished run with other settings ({', '.join(changed)} differ); "
-            "pass --force to replace it or --output to write elsewhere",
-            changed,
-        )
+        raise _settings_changed(task_dir, "a finished run", changed)
     return result
 
 
@@ -215,11 +216,7 @@ def _claim(task_dir: Path, identity: dict, force: bool) -> None:
         if not isinstance(previous, dict):
             previous = {}
         if changed := _differences(previous, identity):
-            raise SettingsChanged(
-                f"{task_dir} holds a run with other settings ({', '.join(changed)} differ); "
-                "pass --force to replace it or --output to write elsewhere",
-                changed,
-            )
+            raise _settings_changed(task_dir, "a run", changed)
         return
     task_dir.mkdir(parents=True, exist_ok=True)
     write_json_atomic(run_file, identity)
