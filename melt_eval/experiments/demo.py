@@ -36,7 +36,7 @@ class DemoSize:
 
 
 # all 100 test problems: with 50, one standard error of a pass@1 was 3.6-3.8 points at seed 1, as large
-# as the gaps the gate and ladder claims compare; 100 shrink it by 1/sqrt(2) for about 3 more minutes
+# as the gaps the gate and ladder claims compare; 100 shrink it by 1/sqrt(2) for about 2 more minutes
 FULL = DemoSize(pretrain={}, melt=None, problems=100, loops=(1, 2, 3, 4))
 # --quick checks the pipeline, not the numbers: untrained models never stop, so their replies are cut short
 QUICK = DemoSize(pretrain={"max_steps": 60, "batch_tokens": 2048, "micro_batch_size": 16, "save_every": 30},
