@@ -104,6 +104,35 @@ def test_alpha0_training_loss_equals_the_looplm(looplm, batch):
     assert later.parts["kd"] > 1e-3
 
 
+def test_loop_ce_weights_put_a_cross_entropy_on_every_loops_exit(looplm, batch):
+    """A LoopLM trained as Ouro is: sum_t w_t CE_t over the loops' exits; [] keeps the final loop's alone."""
+    pretrain = load_recipe("pretrain-tiny")
+    last, _ = forward_objective(looplm, None, batch, pretrain, 0, **counts(batch))
+    only_last, _ = forward_objective(looplm, None, batch, load_recipe("pretrain-tiny", overrides={"loop_ce_weights": [0, 0, 0, 1]}), 0, **counts(batch))
+    assert only_last.parts["sft"] == pytest.approx(last.parts["sft"], rel=1e-5)
+    weights = [0.1, 0.2, 0.3, 0.4]
+    terms, out = forward_objective(looplm, None, batch, load_recipe("pretrain-tiny", overrides={"loop_ce_weights": weights}), 0, **counts(batch))
+    with torch.no_grad():
+        per_loop = [float(sft_loss(looplm.lm_head(h), batch["input_ids"], batch["loss_mask"])) / counts(batch)["n_loss_tokens"]
+                    for h in out.hidden_states]
+    assert len(set(round(x, 3) for x in per_loop)) == 4  # the loops really predict differently
+    assert terms.parts["sft"] == pytest.approx(sum(w * x for w, x in zip(weights, per_loop)), rel=1e-5)
+    terms.total.backward()  # loop 1's exit is trained: the gradient reaches the first loop's input
+    assert looplm.model.embed_tokens.weight.grad.abs().sum() > 0
+    looplm.zero_grad(set_to_none=True)
+
+
+@pytest.mark.parametrize("weights", [[0.5, 0.5], [0, 0, 0, 0], [1, -1, 1, 1], "all"])
+def test_bad_loop_ce_weights_are_refused_with_the_fix(weights, tmp_path):
+    from melt_eval.training import run_recipe
+
+    with pytest.raises(UserError, match="loop_ce_weights"):
+        recipe = load_recipe("pretrain-tiny", overrides={"loop_ce_weights": weights})
+        # the count is checked against the model's T before the first step
+        run_recipe(recipe, "tiny-random-ouro", tmp_path / "run", overrides={"max_steps": 1}, progress=False)
+    assert not list((tmp_path / "run").glob("checkpoints/*"))
+
+
 def test_kd_is_zero_when_student_is_teacher(looplm, batch):
     terms, _ = forward_objective(copy.deepcopy(looplm), looplm, batch,
                                  load_recipe("tiny-phase1", overrides={"interpolation_steps": 0, "align_beta": 0.1}), 0, **counts(batch))

@@ -46,6 +46,9 @@ class Recipe:
     kd_beta: float = 0.0  # generalised JSD beta: 0 = forward KL(teacher || student), 1 = reverse KL
     kd_temperature: float = 1.0
     ce_weight: float = 0.0  # extra final-loop cross-entropy added to the KD loss (0 = the paper's objective)
+    # The cross-entropy term over loops: [] = the final loop's only (MELT.md "Losses"); T weights = sum_t w_t CE_t,
+    # every loop's exit predicting the next token, as Ouro is trained (its weights come from its exit gate)
+    loop_ce_weights: list = field(default_factory=list)
     align_beta: float = 0.0  # attention-alignment weight beta (phase 2: 0.1); 0 = no alignment
     # --- data --------------------------------------------------------------------------------
     data: list = field(default_factory=list)  # sources, see melt_eval.training.data.build_source
@@ -126,6 +129,10 @@ class Recipe:
         if not (isinstance(betas, list) and len(betas) == 2
                 and all(isinstance(b, (int, float)) and not isinstance(b, bool) and 0 <= b < 1 for b in betas)):
             bad(f"adam_betas must be two numbers in [0, 1), e.g. [0.9, 0.95], got {betas!r}")
+        w = self.loop_ce_weights
+        if not (isinstance(w, list) and all(isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x >= 0 for x in w)
+                and (not w or sum(w) > 0)):
+            bad(f"loop_ce_weights must be [] or one number >= 0 per loop, not all 0, e.g. [0.25, 0.25, 0.25, 0.25]; got {w!r}")
         if not self.data:
             bad("data must list at least one source (see the recipes in melt_eval/recipes/)")
         if self.target == "looplm" and (self.kd or self.align_beta or self.interpolation_steps):

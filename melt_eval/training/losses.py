@@ -5,7 +5,8 @@ number of loss tokens in the whole optimiser step (across micro-batches and proc
 so every token weighs the same however the batch was split. Position n's logits predict
 token n + 1, so a mask over targets is shifted by one against the logits.
 
-- `sft_loss`: cross-entropy of the final loop on response tokens.
+- `sft_loss`: cross-entropy of the final loop on response tokens (or a weighted sum over loops,
+  `loop_weights`: how a LoopLM teacher is trained so that every loop's exit predicts).
 - `kd_loss`: all-loop KD, generalised JSD with beta averaged over loops (beta 0 = forward
   KL(teacher || student), beta 1 = reverse KL(student || teacher), as in TRL's GKD).
 - `align_loss`: mean over layers and loops of ||o_student - sg(o_teacher)||^2 per token.
@@ -162,12 +163,13 @@ def objective(
     student_out, teacher_out, input_ids: Tensor, loss_mask: Tensor, attention_mask: Tensor, *,
     student_head, teacher_head=None,
     kd: bool, kd_beta: float = 0.0, kd_temperature: float = 1.0, ce_weight: float = 0.0, align_beta: float = 0.0,
-    n_loss_tokens: float, n_tokens: float,
+    loop_weights: list[float] | None = None, n_loss_tokens: float, n_tokens: float,
 ) -> LossTerms:
     """The recipe's objective for one micro-batch, from hidden states and the LM heads.
 
     KD on:  KD_allLoops (+ ce_weight * CE) (+ align_beta * align);  KD off: CE (+ align_beta * align).
     Token sums are divided by the step's loss-token count (`n_loss_tokens`; `n_tokens` for align).
+    CE is the final loop's, or sum_t loop_weights[t] * CE_t over every loop's exit (needs the per-loop states).
     """
     parts, total = {}, None
 
@@ -178,7 +180,12 @@ def objective(
         total = weight * value if total is None else total + weight * value
 
     def sft() -> Tensor:
-        return sft_loss_from_hidden(student_head, student_out.last_hidden_state, input_ids, loss_mask)
+        if not loop_weights:
+            return sft_loss_from_hidden(student_head, student_out.last_hidden_state, input_ids, loss_mask)
+        if student_out.hidden_states is None or len(student_out.hidden_states) != len(loop_weights):
+            raise ValueError(f"loop_weights has {len(loop_weights)} entries: needs that many per-loop hidden states")
+        return sum(w * sft_loss_from_hidden(student_head, h, input_ids, loss_mask)
+                   for w, h in zip(loop_weights, student_out.hidden_states) if w)
 
     if kd:
         kd_sum = kd_loss_from_hidden(student_head, student_out.hidden_states, teacher_head, teacher_out.hidden_states,

@@ -443,6 +443,10 @@ def _train(recipe: Recipe, output: Path, *, resume: bool, progress: bool, stop_a
         accelerator.print(f"note: {note}")
 
     student, teacher, tokenizer, info = build_models(recipe)
+    loops = student.config.total_ut_steps
+    if recipe.loop_ce_weights and len(recipe.loop_ce_weights) != loops:
+        raise UserError(f"loop_ce_weights has {len(recipe.loop_ce_weights)} weights; {recipe.from_model} runs "
+                        f"T = {loops} loops: give one weight per loop")
     if main and info.get("gate_note"):
         accelerator.print(f"note: {info['gate_note']}")
     # Ouro's early-exit gate is never used (all T loops always run): freeze it so that DDP/FSDP
@@ -508,7 +512,7 @@ def _train(recipe: Recipe, output: Path, *, resume: bool, progress: bool, stop_a
                                        sum(float(b["attention_mask"].sum()) for b in batches),
                                        sum(b["attention_mask"].numel() for b in batches)], device=accelerator.device)
                 n_loss, n_tok, n_slots = accelerator.reduce(counts, reduction="sum").tolist()
-                want_states = recipe.kd or recipe.align_beta > 0 or (learned_gate and step % recipe.log_every == 0)
+                want_states = recipe.kd or recipe.align_beta > 0 or bool(recipe.loop_ce_weights) or (learned_gate and step % recipe.log_every == 0)
                 parts: dict[str, float] = {}
                 gate_means = None
                 for i, batch in enumerate(batches):
@@ -572,7 +576,7 @@ def forward_objective(model, teacher, batch: dict, recipe: Recipe, step: int, *,
     builds [B, L, V] logits: the objective computes them a block of loss rows at a time.
     """
     if output_loop_states is None:
-        output_loop_states = recipe.kd or recipe.align_beta > 0
+        output_loop_states = recipe.kd or recipe.align_beta > 0 or bool(recipe.loop_ce_weights)
     ids, attn = batch["input_ids"], batch["attention_mask"]
     align = recipe.align_beta > 0
     teacher_out = None
@@ -585,6 +589,7 @@ def forward_objective(model, teacher, batch: dict, recipe: Recipe, step: int, *,
         return objective(out, teacher_out, ids, batch["loss_mask"], attn, kd=recipe.kd and teacher_out is not None,
                          student_head=student_head, teacher_head=teacher.lm_head if teacher is not None else None,
                          kd_beta=recipe.kd_beta, kd_temperature=recipe.kd_temperature, ce_weight=recipe.ce_weight,
+                         loop_weights=recipe.loop_ce_weights,
                          align_beta=recipe.align_beta if teacher_out is not None else 0.0,
                          n_loss_tokens=n_loss_tokens, n_tokens=n_tokens)
 
