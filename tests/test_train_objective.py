@@ -95,7 +95,8 @@ def test_alpha0_training_loss_equals_the_looplm(looplm, batch):
     sft = tiny(kd=False, chunk_size=4)
     assert sft.alpha(0) == 0.0
     melt_terms, _ = forward_objective(student, None, batch, sft, 0, **counts(batch))
-    loop_terms, _ = forward_objective(looplm, None, batch, load_recipe("pretrain-tiny"), 0, **counts(batch))
+    last_loop_ce = load_recipe("pretrain-tiny", overrides={"loop_ce_weights": []})  # the final loop's CE, as MELT's SFT
+    loop_terms, _ = forward_objective(looplm, None, batch, last_loop_ce, 0, **counts(batch))
     assert melt_terms.parts["sft"] == pytest.approx(loop_terms.parts["sft"], rel=1e-5)
     kd_terms, _ = forward_objective(student, looplm, batch, tiny(chunk_size=4), 0, **counts(batch))
     assert kd_terms.parts["kd"] < 1e-6
@@ -106,8 +107,7 @@ def test_alpha0_training_loss_equals_the_looplm(looplm, batch):
 
 def test_loop_ce_weights_put_a_cross_entropy_on_every_loops_exit(looplm, batch):
     """A LoopLM trained as Ouro is: sum_t w_t CE_t over the loops' exits; [] keeps the final loop's alone."""
-    pretrain = load_recipe("pretrain-tiny")
-    last, _ = forward_objective(looplm, None, batch, pretrain, 0, **counts(batch))
+    last, _ = forward_objective(looplm, None, batch, load_recipe("pretrain-tiny", overrides={"loop_ce_weights": []}), 0, **counts(batch))
     only_last, _ = forward_objective(looplm, None, batch, load_recipe("pretrain-tiny", overrides={"loop_ce_weights": [0, 0, 0, 1]}), 0, **counts(batch))
     assert only_last.parts["sft"] == pytest.approx(last.parts["sft"], rel=1e-5)
     weights = [0.1, 0.2, 0.3, 0.4]

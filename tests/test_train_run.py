@@ -122,7 +122,8 @@ def test_nonfinite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, monke
 
 def test_pretrain_looplm_from_scratch(tmp_path):
     out = run_recipe("pretrain-tiny", "tiny-random-ouro", tmp_path / "pt", progress=False,
-                     overrides={**FAST_OVERRIDES, "max_steps": 8, "lr": 3e-3, "model_overrides": {"total_ut_steps": 3}})
+                     overrides={**FAST_OVERRIDES, "max_steps": 8, "lr": 3e-3, "model_overrides": {"total_ut_steps": 3},
+                                "loop_ce_weights": [1 / 3] * 3})  # one exit weight per loop of the changed T
     logs = [json.loads(l) for l in (out / "logs" / "metrics.jsonl").read_text().splitlines()]
     assert logs[-1]["sft"] < logs[0]["sft"] - 0.5 and "kd" not in logs[0]
     model, _ = load_model(str(out))
