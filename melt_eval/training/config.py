@@ -155,6 +155,10 @@ class Recipe:
     def needs_teacher(self) -> bool:
         return self.target == "melt" and (self.kd or self.align_beta > 0)
 
+    def needs_loop_states(self) -> bool:
+        """Whether the objective reads every loop's hidden state (all-loop KD, alignment, per-loop CE)."""
+        return self.kd or self.align_beta > 0 or bool(self.loop_ce_weights)
+
 
 def _check_keys(raw: dict, origin: str) -> None:
     valid = Recipe.field_names()

@@ -512,7 +512,7 @@ def _train(recipe: Recipe, output: Path, *, resume: bool, progress: bool, stop_a
                                        sum(float(b["attention_mask"].sum()) for b in batches),
                                        sum(b["attention_mask"].numel() for b in batches)], device=accelerator.device)
                 n_loss, n_tok, n_slots = accelerator.reduce(counts, reduction="sum").tolist()
-                want_states = recipe.kd or recipe.align_beta > 0 or bool(recipe.loop_ce_weights) or (learned_gate and step % recipe.log_every == 0)
+                want_states = recipe.needs_loop_states() or (learned_gate and step % recipe.log_every == 0)
                 parts: dict[str, float] = {}
                 gate_means = None
                 for i, batch in enumerate(batches):
@@ -576,7 +576,7 @@ def forward_objective(model, teacher, batch: dict, recipe: Recipe, step: int, *,
     builds [B, L, V] logits: the objective computes them a block of loss rows at a time.
     """
     if output_loop_states is None:
-        output_loop_states = recipe.kd or recipe.align_beta > 0 or bool(recipe.loop_ce_weights)
+        output_loop_states = recipe.needs_loop_states()
     ids, attn = batch["input_ids"], batch["attention_mask"]
     align = recipe.align_beta > 0
     teacher_out = None
