@@ -125,7 +125,7 @@ def test_results_made_with_other_settings_stop_the_demo_with_a_hint(quick_demo, 
 @pytest.mark.slow
 def test_full_demo_teacher_reaches_half_pass_at_1(tmp_path):
     """The full demo's teacher, trained by its recipe and evaluated as the demo evaluates it, answers at
-    least half of the test problems per sample (pass@1 >= 0.5): the demo's numbers rest on it (~8 min)."""
+    least half of the test problems per sample (pass@1 >= 0.5): the demo's numbers rest on it (~5 min)."""
     from melt_eval.experiments import ablations, demo
     from melt_eval.evaluation import RunPaths, run_tasks
     from melt_eval.generation.options import InferenceOptions

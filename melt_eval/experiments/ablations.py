@@ -178,7 +178,8 @@ def train_runs(runs: list[TrainRun], runs_dir: Path, jobs: int = 1, progress: bo
     running: dict = {}  # future -> run id
     with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn"), initializer=_side_by_side) as pool:
         while pending or running:
-            for run_id, run in list(pending.items()):
+            # a run that continues a finished one first: phase 2 is the end of the longest chain
+            for run_id, run in sorted(pending.items(), key=lambda item: not isinstance(item[1].start, TrainRun)):
                 if len(running) < jobs and not waits_for(run):
                     running[pool.submit(train_run, run, runs_dir, progress)] = run_id
                     del pending[run_id]
