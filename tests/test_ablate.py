@@ -142,6 +142,22 @@ def test_library_modules_import_no_typer():
     assert out.strip() == "[]", out
 
 
+def test_side_by_side_training_starts_phase_2_as_soon_as_its_phase_1_is_done():
+    """With a free core, the demo's phase 2 starts before the phase-1 runs still waiting (it ends the longest
+    chain); the phase-1 runs keep their listed order."""
+    teacher = ablations.TrainRun(0, "pretrain-tiny", {}, "tiny-random-ouro")
+    variants = [v for a in ("gates", "components") for v in ablations.plan(a, "tiny", teacher)]
+    runs = {run.run_id: run for v in variants for run in v.train}
+    full = next(v for v in variants if v.ablation == "components" and v.name == "full")
+    phase1, phase2 = full.train
+    pending = {k: r for k, r in runs.items() if k != phase1.run_id}  # the full phase 1 has finished
+    order = [k for k, _ in ablations.start_order(pending, set(runs))]
+    assert order[0] == phase2.run_id
+    assert order[1:] == [k for k in runs if k not in (phase1.run_id, phase2.run_id)]
+    # a phase 1 whose start (the teacher) is not in the batch is not a continuation
+    assert [k for k, _ in ablations.start_order({phase1.run_id: phase1}, set(runs))] == [phase1.run_id]
+
+
 def test_runs_trained_side_by_side_equal_runs_trained_one_after_another(tmp_path, one_thread):
     """`--jobs 2`: two phase-1 runs in worker processes, then the phase 2 that continues one of them,
     give the same weights as the same plan trained in this process, one run at a time (one thread)."""

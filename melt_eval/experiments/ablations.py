@@ -172,14 +172,15 @@ def train_runs(runs: list[TrainRun], runs_dir: Path, jobs: int = 1, progress: bo
     import multiprocessing
     from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 
+    ids = {run.run_id for run in runs}
+
     def waits_for(run: TrainRun) -> bool:
         return isinstance(run.start, TrainRun) and (run.start.run_id in pending or run.start.run_id in running.values())
 
     running: dict = {}  # future -> run id
     with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn"), initializer=_side_by_side) as pool:
         while pending or running:
-            # a run that continues a finished one first: phase 2 is the end of the longest chain
-            for run_id, run in sorted(pending.items(), key=lambda item: not isinstance(item[1].start, TrainRun)):
+            for run_id, run in start_order(pending, ids):
                 if len(running) < jobs and not waits_for(run):
                     running[pool.submit(train_run, run, runs_dir, progress)] = run_id
                     del pending[run_id]
@@ -187,6 +188,15 @@ def train_runs(runs: list[TrainRun], runs_dir: Path, jobs: int = 1, progress: bo
             for future in finished:
                 running.pop(future)
                 future.result()  # a failure propagates (the pool lets running runs finish)
+
+
+def start_order(pending: dict[str, TrainRun], batch: set[str]) -> list[tuple[str, TrainRun]]:
+    """Pending runs in the order to start them: one that continues another run of the batch first (a
+    phase 2 ends the longest chain, so a core left to it late is the costliest wait), then as listed."""
+    def continues_one(run: TrainRun) -> bool:
+        return isinstance(run.start, TrainRun) and run.start.run_id in batch
+
+    return sorted(pending.items(), key=lambda item: not continues_one(item[1]))
 
 
 def _side_by_side() -> None:
