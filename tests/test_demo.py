@@ -74,8 +74,9 @@ def test_every_variant_has_finished_results(quick_demo):
             r = json.loads((results / "ablations" / ablation / v / "synthetic" / "results.json").read_text())
             assert r["finished"] and r["settings"]["samples"] == 16 and r["settings"]["top_p"] == 0.7
             assert r["settings"]["temperature"] == 1.0 and set(r["metrics"]) == {"pass@1", "pass@10"}
-            # prompts are prefilled with the chunk the MELT runs were trained with, for every model alike
-            assert r["settings"]["prefill_chunk"] == load_recipe("tiny-phase1").chunk_size
+            # prompts are prefilled by the rule the MELT runs were trained with (whole), for every model alike
+            assert load_recipe("tiny-phase1").prompt_as_one_chunk and load_recipe("tiny-phase2").prompt_as_one_chunk
+            assert r["settings"]["prefill_chunk"] == load_recipe("tiny-phase1").seq_len
     melt = json.loads((results / "melt-tiny" / "synthetic" / "results.json").read_text())
     ouro = json.loads((results / "ouro-tiny" / "synthetic" / "results.json").read_text())
     assert ouro["peak_cache_bytes"] == 4 * melt["peak_cache_bytes"]  # same prompts, T = 4: a quarter of the cache

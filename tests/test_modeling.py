@@ -73,6 +73,22 @@ def test_chunked_prefill_follows_the_chunk_rule(looplm):
     assert (exact - logits).abs().max() > 1e-4  # chunking really changes MELT
 
 
+@pytest.mark.parametrize("gate", ["elementwise", "mean"])
+def test_whole_prompt_prefill_equals_forward_with_the_prompt_as_first_chunk(looplm, gate):
+    """Training with `prompt_as_one_chunk` is the rule of generation with a prefill chunk >= the prompt."""
+    model = melt(looplm, gate)
+    prompt = [5, 17, 42, 99, 3, 8, 61]
+    result = generate(model, [prompt], InferenceOptions(prefill_chunk=64), temperature=0, max_new_tokens=8)
+    seq = result.sequences[0][0]
+    full = torch.tensor([prompt + seq])
+    logits = model(full, chunk_size=1, first_chunk=len(prompt)).logits[0, len(prompt) - 1 : -1]
+    assert logits.argmax(-1).tolist() == seq
+    expected_lp = torch.log_softmax(logits, -1).gather(-1, torch.tensor(seq)[:, None])[:, 0]
+    torch.testing.assert_close(torch.tensor(result.logprobs[0][0]), expected_lp, atol=ATOL, rtol=0)
+    exact = model(full, chunk_size=1).logits[0, len(prompt) - 1 : -1]
+    assert (exact - logits).abs().max() > 1e-4  # the prompt's chunk really changes what follows it
+
+
 def test_looplm_decoding_matches_forward(looplm):
     prompt = [7, 8, 9, 10]
     result = generate(looplm, [prompt], temperature=0, max_new_tokens=6)

@@ -7,7 +7,7 @@ import pytest
 from melt_eval.errors import UserError
 from melt_eval.modeling.tiny import build_tokenizer
 from melt_eval import synthetic
-from melt_eval.training.data import DataStream, collate, encode_chat, to_messages
+from melt_eval.training.data import DataStream, collate, encode_chat, prompt_length, to_messages
 
 
 @pytest.fixture(scope="module")
@@ -160,6 +160,17 @@ def test_collate_pads_right(tok):
         n = len(e.input_ids)
         assert b["input_ids"][r, :n].tolist() == e.input_ids and b["attention_mask"][r].sum() == n
         assert not b["attention_mask"][r, n:].any() and not b["loss_mask"][r, n:].any()
+
+
+def test_prompt_length_is_the_shortest_prompt_of_the_batch(tok):
+    s = DataStream([{"source": "synthetic", "n": 20}], tok, 64, seed=0)
+    exs = [s.next() for _ in range(3)]
+    exs[1].loss_mask[:] = [False] * 2 + exs[1].loss_mask[:-2]  # row 1's prompt two tokens longer
+    first = exs[0].loss_mask.index(True)
+    assert prompt_length(collate(exs, tok.pad_token_id)["loss_mask"]) == first
+    assert prompt_length(collate(exs[1:2], tok.pad_token_id)["loss_mask"]) == first + 2
+    exs[2].loss_mask[:] = [False] * len(exs[2].loss_mask)  # a row with no reply: no prompt to take whole
+    assert prompt_length(collate(exs, tok.pad_token_id)["loss_mask"]) == 0
 
 
 def test_tiny_tokenizer_keeps_the_demo_task_short(tok):

@@ -105,6 +105,20 @@ def test_alpha0_training_loss_equals_the_looplm(looplm, batch):
     assert later.parts["kd"] > 1e-3
 
 
+def test_prompt_as_one_chunk_trains_the_rule_of_a_whole_prompt_prefill(looplm, batch):
+    """The micro-batch's shortest prompt (8 tokens: rows' replies start at 8 and 10) is one chunk, then chunks of C."""
+    student = MeltForCausalLM.from_looplm(looplm, gate="elementwise", seed=0)
+    recipe = tiny(kd=False, interpolation_steps=0, chunk_size=1, prompt_as_one_chunk=True)
+    terms, _ = forward_objective(student, None, batch, recipe, 0, **counts(batch))
+    with torch.no_grad():
+        whole = sft_loss(student(batch["input_ids"], chunk_size=1, first_chunk=8).logits, batch["input_ids"], batch["loss_mask"])
+        exact = sft_loss(student(batch["input_ids"], chunk_size=1).logits, batch["input_ids"], batch["loss_mask"])
+    assert terms.parts["sft"] == pytest.approx(float(whole) / counts(batch)["n_loss_tokens"], rel=1e-5)
+    assert abs(float(whole) - float(exact)) > 1e-3 * abs(float(exact))  # the prompt's chunk changes the loss
+    with pytest.raises(UserError, match="prompt_as_one_chunk: false"):
+        tiny(prompt_as_one_chunk=True, compile=True)
+
+
 def test_loop_ce_weights_put_a_cross_entropy_on_every_loops_exit(looplm, batch):
     """A LoopLM trained as Ouro is: sum_t w_t CE_t over the loops' exits; [] keeps the final loop's alone."""
     last, _ = forward_objective(looplm, None, batch, load_recipe("pretrain-tiny", overrides={"loop_ce_weights": []}), 0, **counts(batch))

@@ -45,13 +45,16 @@ EVAL = dict(samples=16, temperature=1.0, top_p=0.7)
 
 
 def eval_settings(size: DemoSize, seed: int = 0) -> dict:
-    """`run_tasks` options for every model of the demo. Prompts are prefilled in chunks of the MELT
-    recipes' training chunk (MELT.md: prefill follows the training rule) and decoding is exact; Ouro is
+    """`run_tasks` options for every model of the demo. Prompts are prefilled by the MELT recipes'
+    training rule (MELT.md: prefill follows it): whole, as one chunk, where the recipe trains the prompt
+    so (a prefill chunk of seq_len holds any prompt), else in chunks of its C; decoding is exact. Ouro is
     unaffected, its per-loop cache makes chunks irrelevant."""
     from melt_eval.training.config import load_recipe
 
+    recipe = load_recipe("tiny-phase1")
+    prefill_chunk = recipe.seq_len if recipe.prompt_as_one_chunk else recipe.chunk_size
     extra = {"max_new_tokens": size.max_new_tokens} if size.max_new_tokens else {}
-    return dict(EVAL, seed=seed, max_problems=size.problems, prefill_chunk=load_recipe("tiny-phase1").chunk_size, **extra)
+    return dict(EVAL, seed=seed, max_problems=size.problems, prefill_chunk=prefill_chunk, **extra)
 
 
 def teacher_run(size: DemoSize, seed: int = 0) -> TrainRun:

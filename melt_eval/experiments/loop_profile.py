@@ -28,13 +28,14 @@ def reply_batch(tokenizer, recipe: str = "tiny-phase1", sequences: int = SEQUENC
 
 
 @torch.no_grad()
-def loop_profile(model, batch: dict[str, torch.Tensor]) -> list[dict]:
+def loop_profile(model, batch: dict[str, torch.Tensor], first_chunk: int = 0) -> list[dict]:
     """Per loop t = 1..T: reply loss (nats/token), greedy error rate, and the mean distance of the loop's
-    output to the last loop's, ||h_t - h_T|| / ||h_T|| over real tokens."""
+    output to the last loop's, ||h_t - h_T|| / ||h_T|| over real tokens. `first_chunk`: the prompt's
+    length where it is prefilled as one chunk (MELT; the model's forward)."""
     ids, real = batch["input_ids"], batch["attention_mask"].bool()
     scored = batch["loss_mask"][:, 1:].bool() & real[:, 1:]  # position n predicts token n + 1
     targets = ids[:, 1:][scored]
-    out = model(ids, attention_mask=batch["attention_mask"], output_loop_states=True)
+    out = model(ids, attention_mask=batch["attention_mask"], output_loop_states=True, first_chunk=first_chunk)
     last = out.hidden_states[-1]
     rows = []
     for t, (logits, h) in enumerate(zip(out.loop_logits, out.hidden_states), start=1):
@@ -49,10 +50,14 @@ def loop_profile(model, batch: dict[str, torch.Tensor]) -> list[dict]:
 def checkpoint_profile(model_dir: str, recipe: str = "tiny-phase1", sequences: int = SEQUENCES, seed: int = 123) -> list[dict]:
     """`loop_profile` of a checkpoint (a directory or registry name) on `sequences` chats of `recipe`'s data."""
     from melt_eval.modeling import load_model
+    from melt_eval.training.config import load_recipe
+    from melt_eval.training.data import prompt_length
 
     model, tokenizer = load_model(model_dir)
     model.eval()
-    return loop_profile(model, reply_batch(tokenizer, recipe, sequences, seed))
+    batch = reply_batch(tokenizer, recipe, sequences, seed)
+    first_chunk = prompt_length(batch["loss_mask"]) if load_recipe(recipe).prompt_as_one_chunk else 0
+    return loop_profile(model, batch, first_chunk)
 
 
 def summary_line(rows: list[dict]) -> str:

@@ -341,6 +341,7 @@ class LoopLMForCausalLM(LoopLMPreTrainedModel):
         input_ids: Tensor,
         attention_mask: Tensor | None = None,
         chunk_size: int | None = None,
+        first_chunk: int = 0,
         alpha: float = 1.0,
         output_loop_states: bool = False,
         kv_sharing: str | None = None,
@@ -354,7 +355,8 @@ class LoopLMForCausalLM(LoopLMPreTrainedModel):
 
         chunk_size None means the model's exact rule: one chunk for Ouro (its per-loop cache
         makes chunking irrelevant), one token per chunk where keys/values are shared across
-        loops (MELT, kv_sharing). Padding goes on the right (chunks count from column 0):
+        loops (MELT, kv_sharing). `first_chunk` > 0 makes the first that many tokens one chunk (a
+        prompt, prefilled whole as vLLM does) and chunks of chunk_size follow it. Padding goes on the right (chunks count from column 0):
         real tokens never see a pad, so no mask is needed. compute_logits=False leaves the
         [B, L, V] logits to the caller (training computes them block by block from
         `hidden_states`/`last_hidden_state`); output_attn_outputs defaults to output_loop_states.
@@ -367,6 +369,8 @@ class LoopLMForCausalLM(LoopLMPreTrainedModel):
             chunk_size = 1 if policy.needs_melt else L
         if chunk_size < 1:
             raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+        if first_chunk < 0:
+            raise ValueError(f"first_chunk must be >= 0, got {first_chunk}")
         if attention_mask is not None:
             m = attention_mask.bool()
             if (m[:, 1:] & ~m[:, :-1]).any():
@@ -377,8 +381,9 @@ class LoopLMForCausalLM(LoopLMPreTrainedModel):
         hidden, loop_hidden = [], [[] for _ in range(T)]
         attn_outputs = [[[] for _ in range(T)] for _ in range(N)]
         gates = [[[] for _ in range(T)] for _ in range(N)]
-        for start in range(0, L, chunk_size):
-            end = min(start + chunk_size, L)
+        first = min(first_chunk, L)
+        starts = ([0] if first else []) + list(range(first, L, chunk_size))
+        for start, end in zip(starts, starts[1:] + [L]):
             x, extra = self.model.run_chunk(
                 input_ids[:, start:end], position_ids[:, start:end], policy,
                 kv_sharing=kv_sharing, collect=output_loop_states or collect_attn,

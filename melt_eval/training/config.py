@@ -41,6 +41,9 @@ class Recipe:
     teacher: str | None = None  # frozen LoopLM for KD/alignment; phase 1 default: the starting LoopLM
     # --- objective (MELT.md "Losses") ------------------------------------------------------
     chunk_size: int = 500  # C; 0 = the whole sequence (C = L, "no chunk-wise training")
+    # The prompt as one chunk, the reply in chunks of C: the rule of a prefill chunk at least as long as the
+    # prompt (vLLM prefills a prompt whole). The chunk is the micro-batch's shortest prompt.
+    prompt_as_one_chunk: bool = False
     interpolation_steps: int = 500  # alpha: 0 -> 1 linearly over these optimiser steps; 0 = alpha 1 throughout
     kd: bool = True  # all-loop KD against the teacher; False = plain SFT (final-loop cross-entropy)
     kd_beta: float = 0.0  # generalised JSD beta: 0 = forward KL(teacher || student), 1 = reverse KL
@@ -133,6 +136,8 @@ class Recipe:
         if not (isinstance(w, list) and all(isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x >= 0 for x in w)
                 and (not w or sum(w) > 0)):
             bad(f"loop_ce_weights must be [] or one number >= 0 per loop, not all 0, e.g. [0.25, 0.25, 0.25, 0.25]; got {w!r}")
+        if self.prompt_as_one_chunk and self.compile:
+            bad("compile pads micro-batches to whole chunks from the first token; set prompt_as_one_chunk: false to compile")
         if not self.data:
             bad("data must list at least one source (see the recipes in melt_eval/recipes/)")
         if self.target == "looplm" and (self.kd or self.align_beta or self.interpolation_steps):

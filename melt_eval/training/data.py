@@ -322,6 +322,15 @@ def bucket(examples: list[Example], micro_batch_size: int, pad_id: int, pad_mult
     return [collate(ordered[i : i + micro_batch_size], pad_id, pad_multiple) for i in range(0, len(ordered), micro_batch_size)]
 
 
+def prompt_length(loss_mask: torch.Tensor) -> int:
+    """The tokens before the first reply token in every row of a [B, L] loss mask: the prompt the rows
+    share in length (0 when a row has no reply token)."""
+    has_reply = loss_mask.bool().any(dim=1)
+    if not has_reply.all():
+        return 0
+    return int(loss_mask.bool().int().argmax(dim=1).min())
+
+
 def collate(examples: list[Example], pad_id: int, pad_multiple: int = 1) -> dict[str, torch.Tensor]:
     """Right-padded batch: input_ids, attention_mask, loss_mask [B, width], width the longest
     row rounded up to a multiple of `pad_multiple`."""

@@ -37,7 +37,7 @@ from melt_eval.errors import UserError
 from melt_eval.files import DirLock, fsync_dir, fsync_tree, remove_tree, write_json_atomic, write_text_atomic
 from melt_eval.provenance import git_state, package_versions
 from melt_eval.training.config import EXECUTION_FIELDS, Recipe, parse_yaml
-from melt_eval.training.data import DataStream, bucket
+from melt_eval.training.data import DataStream, bucket, prompt_length
 from melt_eval.training.losses import objective
 
 META_FILE = "melt_eval_training.json"
@@ -593,15 +593,19 @@ def forward_objective(model, teacher, batch: dict, recipe: Recipe, step: int, *,
                          align_beta=recipe.align_beta if teacher_out is not None else 0.0,
                          n_loss_tokens=n_loss_tokens, n_tokens=n_tokens)
 
-    out = model(ids, attention_mask=attn, chunk_size=_chunk(recipe, ids.shape[1]), alpha=recipe.alpha(step),
+    chunk_size, first_chunk = _chunks(recipe, batch)
+    out = model(ids, attention_mask=attn, chunk_size=chunk_size, first_chunk=first_chunk, alpha=recipe.alpha(step),
                 output_loop_states=output_loop_states, output_attn_outputs=align, compute_logits=False, loss_fn=loss_fn)
     return out.loss_terms, out
 
 
-def _chunk(recipe: Recipe, length: int) -> int | None:
+def _chunks(recipe: Recipe, batch: dict) -> tuple[int | None, int]:
+    """(chunk size, first chunk) of the student's forward."""
     if recipe.target != "melt":
-        return None  # a LoopLM's per-loop cache makes chunking irrelevant: one parallel pass
-    return recipe.chunk_size or length  # 0 = C = L, fully parallel
+        return None, 0  # a LoopLM's per-loop cache makes chunking irrelevant: one parallel pass
+    if not recipe.chunk_size:
+        return batch["input_ids"].shape[1], 0  # 0 = C = L, fully parallel
+    return recipe.chunk_size, prompt_length(batch["loss_mask"]) if recipe.prompt_as_one_chunk else 0
 
 
 def _stop_nonfinite(what: str, step: int, parts: dict, last_good: Path | None, optimizer) -> None:
