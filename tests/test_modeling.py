@@ -195,6 +195,29 @@ def test_sampling_is_seeded_per_prompt_and_sample(looplm):
     assert other.sequences != both.sequences
 
 
+def test_nucleus_sampling_draws_from_the_renormalised_top_p_mass():
+    from melt_eval.generation import sample_next
+
+    rows = 200_000
+    logits = torch.tensor([0.15, 0.5, 0.0, 0.3, 0.05]).log().expand(rows, 5)  # token 2 has no mass
+    u = torch.rand(rows, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    # top-p 0.7: tokens 1 (0.5) and 3 (0.3) reach it; they keep their ratio 5:3
+    counts = torch.bincount(sample_next(logits, 1.0, 0.7, u), minlength=5).double() / rows
+    torch.testing.assert_close(counts, torch.tensor([0, 0.625, 0, 0.375, 0], dtype=torch.float64), atol=4e-3, rtol=0)
+    counts = torch.bincount(sample_next(logits, 1.0, 1.0, u), minlength=5).double() / rows
+    torch.testing.assert_close(counts, torch.tensor([0.15, 0.5, 0, 0.3, 0.05], dtype=torch.float64), atol=4e-3, rtol=0)
+    edge = torch.tensor([0.0, 1.0 - 2**-52], dtype=torch.float64)  # the extremes of [0, 1): the first and last kept token
+    assert sample_next(logits[:2], 1.0, 0.7, edge).tolist() == [1, 3]
+    assert sample_next(logits[:2], 1.0, 1.0, edge).tolist() == [0, 4]  # no top-p: vocabulary order
+    assert sample_next(logits[:2], 0.0, 0.7, None).tolist() == [1, 1]
+
+
+def test_a_longer_budget_keeps_the_tokens_of_a_shorter_one(looplm):
+    short = generate(looplm, [[3, 4, 5]], n=3, temperature=1.0, top_p=0.7, max_new_tokens=4, seed=7)
+    longer = generate(looplm, [[3, 4, 5]], n=3, temperature=1.0, top_p=0.7, max_new_tokens=9, seed=7)
+    assert [s[:4] for s in longer.sequences[0]] == short.sequences[0]
+
+
 def test_eos_and_stop_end_a_sample(looplm):
     prompt = [3, 4, 5]
     free = generate(looplm, [prompt], temperature=0, max_new_tokens=6).sequences[0][0]
