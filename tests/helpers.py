@@ -15,3 +15,22 @@ def main_exit_code(args: list[str]) -> int:
     finally:
         sys.argv = old
     return 0
+
+
+def queued_job(log: str, name: str, wait_for: str | None = None) -> None:
+    """A job for `ablations._run_side_by_side` (picklable, runs in a worker process): appends
+    "start NAME" and "end NAME" to `log`; in between waits, up to 60 s, for "start WAIT_FOR"."""
+    import time
+    from pathlib import Path
+
+    def mark(event: str) -> None:
+        with open(log, "a") as f:
+            f.write(f"{event} {name}\n")
+
+    mark("start")
+    deadline = time.monotonic() + 60
+    while wait_for and f"start {wait_for}" not in Path(log).read_text().split("\n"):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{name}: {wait_for} never started beside it")
+        time.sleep(0.05)
+    mark("end")

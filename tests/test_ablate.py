@@ -58,6 +58,17 @@ def test_kv_sharing_variants_are_evaluation_only_with_the_spec_settings():
     assert kv["first"].eval_options == {"kv_sharing": "first", "share_prompt": True}
 
 
+def test_a_field_added_later_keeps_older_run_ids_at_its_old_value():
+    """The demo teacher's id from before `prompt_as_one_chunk` existed: an older demo directory's teacher
+    is reused, not retrained; the MELT runs, which now prefill the prompt whole, get new ids."""
+    from melt_eval.experiments import demo
+
+    assert demo.teacher_run(demo.FULL).run_id == "pretrain-tiny-c16210f4"
+    assert demo.teacher_run(demo.FULL, seed=2).run_id == "pretrain-tiny-seed=2-a77fed27"
+    run = ablations.plan("gates", "tiny")[0].train[0]
+    assert run.run_id != ablations.TrainRun(run.phase, run.recipe, {**run.overrides, "prompt_as_one_chunk": False}, run.start).run_id
+
+
 def test_train_overrides_change_the_run_id():
     a = ablations.plan("gates", "tiny")[0].train[0]
     b = ablations.plan("gates", "tiny", train_overrides={"max_steps": 3})[0].train[0]
@@ -156,6 +167,26 @@ def test_side_by_side_training_starts_phase_2_as_soon_as_its_phase_1_is_done():
     assert order[1:] == [k for k in runs if k not in (phase1.run_id, phase2.run_id)]
     # a phase 1 whose start (the teacher) is not in the batch is not a continuation
     assert [k for k, _ in ablations.start_order({phase1.run_id: phase1}, set(runs))] == [phase1.run_id]
+
+
+def test_an_evaluation_runs_beside_training_as_soon_as_its_model_exists(tmp_path):
+    """The demo's one queue: a job starts once the jobs it needs have finished, and a free worker takes the
+    first startable job even while a long run still trains (here the long run waits for it to start)."""
+    import helpers
+
+    log = str(tmp_path / "log")
+    Job = ablations._Job
+    queue = [Job("train long", (helpers.queued_job, log, "train long", "evaluate teacher"), set()),
+             Job("train short", (helpers.queued_job, log, "train short"), set()),
+             Job("evaluate long", (helpers.queued_job, log, "evaluate long"), {"train long"}),
+             Job("evaluate teacher", (helpers.queued_job, log, "evaluate teacher"), set())]
+    ablations._run_side_by_side(queue, workers=2)
+    events = (tmp_path / "log").read_text().splitlines()
+    assert events.index("start evaluate teacher") < events.index("end train long")
+    assert events.index("end train long") < events.index("start evaluate long")
+    assert len(events) == 8
+    with pytest.raises(RuntimeError, match="not queued"):
+        ablations._run_side_by_side([Job("evaluate", (helpers.queued_job, log, "evaluate"), {"train"})], workers=2)
 
 
 def test_runs_trained_side_by_side_equal_runs_trained_one_after_another(tmp_path, one_thread):

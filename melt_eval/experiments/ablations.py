@@ -21,7 +21,7 @@ from pathlib import Path
 
 from melt_eval.errors import UserError
 from melt_eval.experiments import variants as definitions
-from melt_eval.training.config import EXECUTION_FIELDS, load_recipe
+from melt_eval.training.config import ADDED_FIELDS, EXECUTION_FIELDS, load_recipe
 from melt_eval.training.runs import FINISHED, INTERRUPTED, run_state, train_command
 
 ABLATIONS = tuple(definitions.ABLATIONS)
@@ -49,6 +49,9 @@ class TrainRun:
         resolved = load_recipe(self.recipe, overrides=dict(self.overrides)).to_dict()
         for name in EXECUTION_FIELDS:
             resolved.pop(name)
+        for name, value in ADDED_FIELDS.items():
+            if resolved[name] == value:
+                resolved.pop(name)
         blob = json.dumps([resolved, start], sort_keys=True, default=str)
         readable = "-".join([self.recipe] + [f"{k}={v}" for k, v in sorted(self.overrides.items())])
         return f"{readable}-{hashlib.sha256(blob.encode()).hexdigest()[:8]}".replace("/", "_")
@@ -161,33 +164,69 @@ def train_runs(runs: list[TrainRun], runs_dir: Path, jobs: int = 1, progress: bo
     thousands of small operations that a second thread barely speeds up, so two one-thread runs finish
     sooner than the same two runs one after the other with two threads (measured in the README). A
     failed run stops the others from starting; those already running finish (and stay resumable)."""
+    train_and_evaluate(runs, [], "", runs_dir, jobs=jobs, progress=progress)
+
+
+def train_and_evaluate(runs: list[TrainRun], evaluations: list["Evaluation"], tasks: str, runs_dir: Path, *,
+                       jobs: int = 1, backend: str = "native", progress: bool = True, **eval_kwargs) -> list[dict]:
+    """Train every run, then evaluate every evaluation (see `evaluate_all`); with `jobs` > 1 on a CPU, as
+    one queue of one-thread worker processes: an evaluation starts as soon as the run that makes its model
+    has finished, while other runs still train, so no core waits at the end of training for the slowest
+    run. Training runs start first (a phase 2 as soon as its phase 1 is done, `start_order`), evaluations
+    take the cores no startable run needs. The results are the same either way (every run and every
+    sample is seeded)."""
     pending: dict[str, TrainRun] = {}
     for run in runs:
         if _train_status(runs_dir / run.run_id) != "done":
             pending.setdefault(run.run_id, run)
-    if jobs <= 1 or len(pending) <= 1:
+    todo = _evaluations_to_run(evaluations, tasks)
+    side_by_side = jobs > 1 and len(pending) + len(todo) > 1
+    if side_by_side and todo and (backend != "native" or _cuda()):  # one process owns the accelerator
+        train_and_evaluate(runs, [], "", runs_dir, jobs=jobs, progress=progress)
+        return evaluate_all(evaluations, tasks, jobs=1, backend=backend, progress=progress, **eval_kwargs)
+    if not side_by_side:
         for run in pending.values():
             train_run(run, runs_dir, progress)
-        return
+        return evaluate_all(evaluations, tasks, jobs=1, backend=backend, progress=progress, **eval_kwargs)
+    queue = [_Job(run_id, (train_run, run, runs_dir, progress),
+                  {run.start.run_id} & set(pending) if isinstance(run.start, TrainRun) else set())
+             for run_id, run in start_order(pending, {run.run_id for run in runs})]
+    made_by = {str(runs_dir / run_id): run_id for run_id in pending}
+    queue += [_Job(f"evaluate {e.results_dir}", (_evaluate, e, tasks, backend, progress, eval_kwargs),
+                   {made_by[str(e.model)]} if str(e.model) in made_by else set()) for e in todo]
+    _run_side_by_side(queue, jobs)
+    return evaluate_all(evaluations, tasks, jobs=1, backend=backend, progress=progress, **eval_kwargs)
+
+
+@dataclass
+class _Job:
+    key: str
+    call: tuple  # (function, *arguments), picklable
+    after: set  # keys of the jobs it needs finished first
+
+
+def _run_side_by_side(queue: list[_Job], workers: int) -> None:
+    """Run the queue in `workers` spawned one-thread processes, each job once those it needs have finished,
+    the first startable one in queue order first. A failure stops further starts; the jobs already running
+    finish (a training run stays resumable); then it propagates."""
     import multiprocessing
     from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 
-    ids = {run.run_id for run in runs}
-
-    def waits_for(run: TrainRun) -> bool:
-        return isinstance(run.start, TrainRun) and (run.start.run_id in pending or run.start.run_id in running.values())
-
-    running: dict = {}  # future -> run id
-    with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn"), initializer=_side_by_side) as pool:
+    pending = {job.key: job for job in queue}
+    done: set = set()
+    running: dict = {}  # future -> job key
+    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"), initializer=_side_by_side) as pool:
         while pending or running:
-            for run_id, run in start_order(pending, ids):
-                if len(running) < jobs and not waits_for(run):
-                    running[pool.submit(train_run, run, runs_dir, progress)] = run_id
-                    del pending[run_id]
+            for key, job in list(pending.items()):
+                if len(running) < workers and job.after <= done:
+                    running[pool.submit(*job.call)] = key
+                    del pending[key]
+            if not running:
+                raise RuntimeError(f"jobs wait for jobs that are not queued: {sorted(pending)}")
             finished, _ = wait(running, return_when=FIRST_COMPLETED)
             for future in finished:
-                running.pop(future)
-                future.result()  # a failure propagates (the pool lets running runs finish)
+                done.add(running.pop(future))
+                future.result()
 
 
 def start_order(pending: dict[str, TrainRun], batch: set[str]) -> list[tuple[str, TrainRun]]:
@@ -241,24 +280,29 @@ def evaluate_all(evaluations: list[Evaluation], tasks: str, *, jobs: int = 1, ba
     With `jobs` > 1 on a CPU (native backend), the evaluations left to do run side by side, each in a
     spawned process with one torch thread, as training's runs do; the results are the same (every
     sample is seeded by its problem). A failure propagates once the running ones finish."""
-    first: dict[tuple[str, str], Evaluation] = {}
-    for e in evaluations:
-        first.setdefault(e.key, e)
-    todo = [e for e in first.values() if not _finished(e.results_dir, tasks)]
+    first = _first_of_each(evaluations)
+    todo = _evaluations_to_run(evaluations, tasks)
     if jobs > 1 and len(todo) > 1 and backend == "native" and not _cuda():
-        import multiprocessing
-        from concurrent.futures import ProcessPoolExecutor
-
-        with ProcessPoolExecutor(min(jobs, len(todo)), mp_context=multiprocessing.get_context("spawn"),
-                                 initializer=_side_by_side) as pool:
-            for future in [pool.submit(_evaluate, e, tasks, backend, progress, eval_kwargs) for e in todo]:
-                future.result()
+        _run_side_by_side([_Job(str(e.results_dir), (_evaluate, e, tasks, backend, progress, eval_kwargs), set())
+                           for e in todo], min(jobs, len(todo)))
     results = []
     for e in evaluations:
         if first[e.key] is not e:
             _copy_results(first[e.key].results_dir, e.results_dir, e.name, tasks)
         results += _evaluate(e, tasks, backend, progress, eval_kwargs)  # a finished task is read back, not re-run
     return results
+
+
+def _first_of_each(evaluations: list[Evaluation]) -> dict[tuple[str, str], Evaluation]:
+    first: dict[tuple[str, str], Evaluation] = {}
+    for e in evaluations:
+        first.setdefault(e.key, e)
+    return first
+
+
+def _evaluations_to_run(evaluations: list[Evaluation], tasks: str) -> list[Evaluation]:
+    """The first evaluation of each (model, options) whose results are not finished."""
+    return [e for e in _first_of_each(evaluations).values() if not _finished(e.results_dir, tasks)]
 
 
 def _evaluate(e: Evaluation, tasks: str, backend: str, progress: bool, eval_kwargs: dict) -> list[dict]:
@@ -304,7 +348,6 @@ def _cuda() -> bool:
 
 def run_variants(variants: list[VariantPlan], *, runs_dir: Path, output: Path, tasks: str, backend: str = "native",
                  eval_kwargs: dict | None = None, progress: bool = True, jobs: int = 1) -> list[dict]:
-    """Train every variant, then evaluate each, `jobs` at a time (see `train_runs`, `evaluate_all`)."""
-    train_runs([run for v in variants for run in v.train], runs_dir, jobs, progress)
-    return evaluate_all(variant_evaluations(variants, runs_dir, output), tasks, jobs=jobs, backend=backend,
-                        progress=progress, **(eval_kwargs or {}))
+    """Train every variant and evaluate each, `jobs` at a time (see `train_and_evaluate`)."""
+    return train_and_evaluate([run for v in variants for run in v.train], variant_evaluations(variants, runs_dir, output),
+                              tasks, runs_dir, jobs=jobs, backend=backend, progress=progress, **(eval_kwargs or {}))

@@ -5,7 +5,8 @@
    component-removal ladder and the untrained KV-sharing variants (`melt_eval.experiments.ablations`, preset tiny);
 3. every model evaluated on the synthetic task's test split with the paper's protocol (16 samples,
    temperature 1.0, top-p 0.7, pass@1 and pass@10) through LightEval, plus T = 1..4 at inference
-   for the loops figure;
+   for the loops figure; an evaluation starts as soon as its model is trained, beside the runs still
+   training (`ablations.train_and_evaluate`);
 4. the report: every table, the LaTeX and markdown, the figures; the paper's own tables beside.
 
 Everything is cached under OUTPUT: a second run skips finished training and evaluation and only
@@ -107,15 +108,13 @@ def _run_demo(output: Path, quick: bool, progress: bool, seed: int, threads: int
         if progress and msg:
             _heading(msg)
 
-    say("teacher", "[1/4] the teacher: ouro-tiny, a LoopLM trained from scratch on the synthetic task")
+    say("teacher", "[1/3] the teacher: ouro-tiny, a LoopLM trained from scratch on the synthetic task")
     teacher_made_by = teacher_run(size, seed)
     teacher = str(ablations.train_run(teacher_made_by, runs, progress))
 
-    say("training", "[2/4] MELT and the ablations: gates, component ladder (the KV-sharing rows need no training)")
+    say("training and evaluation", "[2/3] MELT and the ablations (gates, component ladder) trained, and every model "
+        "evaluated on the test split as soon as it is trained (the KV-sharing rows need no training)")
     variants = [v for a in ablations.ABLATIONS for v in ablations.plan(a, "tiny", teacher_made_by, size.melt, seed=seed)]
-    ablations.train_runs([run for v in variants for run in v.train], runs, jobs, progress)
-
-    say("evaluation", "[3/4] every model on the test split: the ablations, the main comparison, the loops figure")
     full = next(v for v in variants if v.ablation == "components" and v.name == "full")
     main = {"ouro-tiny": teacher, "melt-tiny": str(runs / full.train[-1].run_id)}
     evaluations = ablations.variant_evaluations(variants, runs, results)
@@ -123,13 +122,14 @@ def _run_demo(output: Path, quick: bool, progress: bool, seed: int, threads: int
     evaluations += [ablations.Evaluation(model, results / "loops" / f"{name}-T{loops}", name, {"loops": loops})
                     for name, model in main.items() for loops in size.loops if loops != 4]  # T = 4 is the main result
     try:
-        ablations.evaluate_all(evaluations, TASK, jobs=jobs, progress=progress, **ev)
+        ablations.train_and_evaluate([run for v in variants for run in v.train], evaluations, TASK, runs, jobs=jobs,
+                                     progress=progress, **ev)
     except SettingsChanged as e:  # the demo has no --force: say what to move, and that training is kept
         raise UserError(f"{results} holds evaluations made with other settings ({', '.join(e.changed)} differ), "
                         f"e.g. by an older melt-eval; move it aside and run the demo again (the trained models "
                         f"under {runs} are kept)") from e
 
-    say("report", "[4/4] the report")
+    say("report", "[3/3] the report")
     from melt_eval.experiments.loop_profile import SEQUENCES, checkpoint_profile, summary_line
     from melt_eval.files import write_json_atomic
     from melt_eval.report.claims import paper_claims

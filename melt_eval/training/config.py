@@ -22,6 +22,9 @@ from melt_eval.jsonio import read_text
 RECIPES_DIR = Path(__file__).resolve().parents[1] / "recipes"  # package data: shipped in the wheel
 # how a run executes, not what it computes: may change on resume, left out of run identities
 EXECUTION_FIELDS = {"compile"}
+# fields added after run identities were first published, with the value every earlier run had: at that
+# value a field is left out of a run's identity, so a run an older melt-eval trained is found, not retrained
+ADDED_FIELDS = {"prompt_as_one_chunk": False}
 TARGETS = ("melt", "looplm")
 OVERLONG = ("keep", "truncate", "drop")  # what is trained: MELT (converted or continued) or a plain LoopLM
 MIXED_PRECISION = ("auto", "bf16", "fp16", "no")
