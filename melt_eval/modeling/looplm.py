@@ -356,10 +356,11 @@ class LoopLMForCausalLM(LoopLMPreTrainedModel):
         chunk_size None means the model's exact rule: one chunk for Ouro (its per-loop cache
         makes chunking irrelevant), one token per chunk where keys/values are shared across
         loops (MELT, kv_sharing). `first_chunk` > 0 makes the first that many tokens one chunk (a
-        prompt, prefilled whole as vLLM does) and chunks of chunk_size follow it. Padding goes on the right (chunks count from column 0):
-        real tokens never see a pad, so no mask is needed. compute_logits=False leaves the
-        [B, L, V] logits to the caller (training computes them block by block from
-        `hidden_states`/`last_hidden_state`); output_attn_outputs defaults to output_loop_states.
+        prompt, prefilled whole as vLLM does) and chunks of chunk_size follow it. Padding goes on
+        the right (chunks count from column 0): real tokens never see a pad, so no mask is needed.
+        compute_logits=False leaves the [B, L, V] logits to the caller (training computes them
+        block by block from `hidden_states`/`last_hidden_state`); output_attn_outputs defaults
+        to output_loop_states.
         loss_fn(lm_head, output) -> LossTerms is evaluated inside forward, where wrappers such as
         FSDP and autocast are active (training's objective); it fills `loss` and `loss_terms`.
         """

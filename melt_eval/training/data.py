@@ -323,8 +323,8 @@ def bucket(examples: list[Example], micro_batch_size: int, pad_id: int, pad_mult
 
 
 def prompt_length(loss_mask: torch.Tensor) -> int:
-    """The tokens before the first reply token in every row of a [B, L] loss mask: the prompt the rows
-    share in length (0 when a row has no reply token)."""
+    """The prompt length every row of a [B, L] loss mask reaches: the fewest tokens before a row's first
+    reply token (0 when a row has none)."""
     has_reply = loss_mask.bool().any(dim=1)
     if not has_reply.all():
         return 0
