@@ -12,8 +12,9 @@ import torch
 import torch.nn.functional as F
 
 
-def reference_forward(model, input_ids, attention_mask, chunk_size, alpha=1.0):
-    """Per-loop logits T x [B, L, V], attention outputs [layer][loop] -> [B, L, d]."""
+def reference_forward(model, input_ids, attention_mask, chunk_size, alpha=1.0, first_chunk=0):
+    """Per-loop logits T x [B, L, V], attention outputs [layer][loop] -> [B, L, d]. `first_chunk` > 0:
+    the first that many tokens are one chunk, then chunks of chunk_size."""
     inner, cfg = model.model, model.config
     T, N = cfg.total_ut_steps, cfg.num_hidden_layers
     melt = hasattr(inner.layers[0], "melt_gate")
@@ -23,8 +24,8 @@ def reference_forward(model, input_ids, attention_mask, chunk_size, alpha=1.0):
     past: dict = {}
     hidden = [[] for _ in range(T)]
     attn = [[[] for _ in range(T)] for _ in range(N)]
-    for start in range(0, L, chunk_size):
-        end = min(start + chunk_size, L)
+    starts = ([0] if first_chunk else []) + list(range(min(first_chunk, L), L, chunk_size))
+    for start, end in zip(starts, starts[1:] + [L]):
         c = end - start
         x = inner.embed_tokens(input_ids[:, start:end])
         cos, sin = inner.rotary_emb(position_ids[:, start:end], x.dtype)

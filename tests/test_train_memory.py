@@ -31,10 +31,10 @@ def batch(training_batch):
     return training_batch(L, pad_from=8, loss_from=(4, 3))
 
 
-def reference_loss(student, teacher, batch, C, alpha, align_beta):
+def reference_loss(student, teacher, batch, C, alpha, align_beta, first_chunk=0):
     ids, attn, lm = batch["input_ids"], batch["attention_mask"], batch["loss_mask"]
     n_loss, n_tok = float(lm[:, 1:].sum()), float(attn.sum())
-    s_logits, s_attn = reference_forward(student, ids, attn, C, alpha)
+    s_logits, s_attn = reference_forward(student, ids, attn, C, alpha, first_chunk)
     with torch.no_grad():
         t_logits, t_attn = reference_forward(teacher, ids, attn, L)
     total = kd_loss(s_logits, t_logits, lm) / n_loss
@@ -43,31 +43,32 @@ def reference_loss(student, teacher, batch, C, alpha, align_beta):
     return total, sft_loss(s_logits[-1], ids, lm) / n_loss
 
 
-def recipe_at(alpha, C, align_beta):
+def recipe_at(alpha, C, align_beta, whole_prompt=False):
     # alpha(step) = step / interpolation_steps: step 3 of 10 is alpha 0.3
     interp, step = {0.0: (10, 0), 0.3: (10, 3), 1.0: (0, 0)}[alpha]
-    return load_recipe("tiny-phase1", overrides={"chunk_size": C, "interpolation_steps": interp,
-                                                 "align_beta": align_beta}), step
+    return load_recipe("tiny-phase1", overrides={"chunk_size": C, "interpolation_steps": interp, "align_beta": align_beta,
+                                                 "prompt_as_one_chunk": whole_prompt}), step
 
 
 def grads(model):
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-@pytest.mark.parametrize("C", [1, 3, L])
+@pytest.mark.parametrize("C,whole_prompt", [(1, False), (3, False), (L, False), (1, True), (3, True)])
 @pytest.mark.parametrize("align_beta", [0.0, 0.1])
 @pytest.mark.parametrize("alpha", [0.0, 0.3, 1.0])
 @pytest.mark.parametrize("gate", GATES)
-def test_gradients_equal_the_concatenating_reference(looplm, batch, gate, alpha, align_beta, C):
+def test_gradients_equal_the_concatenating_reference(looplm, batch, gate, alpha, align_beta, C, whole_prompt):
+    """whole_prompt: the batch's shortest prompt (3 tokens) is one chunk, then chunks of C (prompt_as_one_chunk)."""
     student = MeltForCausalLM.from_looplm(looplm, gate=gate, seed=1).train()
     student.model.early_exit_gate.requires_grad_(False)
     twin = copy.deepcopy(student)
-    recipe, step = recipe_at(alpha, C, align_beta)
+    recipe, step = recipe_at(alpha, C, align_beta, whole_prompt)
     assert recipe.alpha(step) == alpha
     counts = dict(n_loss_tokens=float(batch["loss_mask"][:, 1:].sum()), n_tokens=float(batch["attention_mask"].sum()))
     terms, _ = forward_objective(student, looplm, batch, recipe, step, **counts)
     terms.total.backward()
-    ref_total, ref_sft = reference_loss(twin, looplm, batch, C, alpha, align_beta)
+    ref_total, ref_sft = reference_loss(twin, looplm, batch, C, alpha, align_beta, first_chunk=3 if whole_prompt else 0)
     ref_total.backward()
     assert abs(terms.total.item() - ref_total.item()) < 1e-6
     assert abs(terms.parts["sft"] - ref_sft.item()) < 1e-6

@@ -204,7 +204,9 @@ def test_ladder_variant_builds_the_spec_objective(variant, looplm, batch):
     assert trained == want[0] and r1.alpha(0) == want[1] and r1.chunk_size in (want[2], 0)
     assert (len(steps) == 2) == want[3]
     # the forward really used that chunk size and alpha: compare with an explicit call
-    ref = student(batch["input_ids"], attention_mask=batch["attention_mask"], chunk_size=want[2], alpha=want[1])
+    first = 8 if r1.prompt_as_one_chunk and r1.chunk_size else 0  # the batch's shortest prompt, as one chunk
+    ref = student(batch["input_ids"], attention_mask=batch["attention_mask"], chunk_size=want[2], first_chunk=first,
+                  alpha=want[1])
     assert torch.allclose(student.lm_head(out.last_hidden_state), ref.logits, atol=1e-5)
     if want[3]:
         r2 = load_recipe(steps[1][1], overrides=steps[1][2])

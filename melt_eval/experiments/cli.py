@@ -28,12 +28,13 @@ def register(app: typer.Typer) -> None:
         data_dir: Optional[Path] = typer.Option(None, "--data-dir"),
         seed: int = typer.Option(0),
         jobs: int = typer.Option(1, "--jobs", min=1, help="Training runs side by side, each its own process (CPU: one "
-                                 "torch thread each, and CPU evaluations likewise; GPU: each takes the visible devices, "
-                                 "so keep 1)."),
+                                 "torch thread each, and CPU evaluations likewise, each as soon as its model is trained; "
+                                 "GPU: each takes the visible devices, so keep 1)."),
         dry_run: bool = typer.Option(False, "--dry-run", help="Print every run with its command; run nothing."),
         progress: bool = typer.Option(True, "--progress/--no-progress"),
     ) -> None:
-        """Run one of the paper's ablations: training (where it has any), then evaluation. Resumable."""
+        """Run one of the paper's ablations: training (where it has any) and evaluation, each variant's evaluation
+        once its model is trained. Resumable."""
         from rich.console import Console
         from rich.table import Table
 
