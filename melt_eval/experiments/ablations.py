@@ -180,13 +180,8 @@ def train_and_evaluate(runs: list[TrainRun], evaluations: list["Evaluation"], ta
         if _train_status(runs_dir / run.run_id) != "done":
             pending.setdefault(run.run_id, run)
     todo = _evaluations_to_run(evaluations, tasks)
-    side_by_side = jobs > 1 and len(pending) + len(todo) > 1
-    if side_by_side and todo and (backend != "native" or _cuda()):  # one process owns the accelerator
+    if jobs > 1 and todo and (backend != "native" or _cuda()):  # one process owns the accelerator: evaluate after
         train_and_evaluate(runs, [], "", runs_dir, jobs=jobs, progress=progress)
-        return evaluate_all(evaluations, tasks, jobs=1, backend=backend, progress=progress, **eval_kwargs)
-    if not side_by_side:
-        for run in pending.values():
-            train_run(run, runs_dir, progress)
         return evaluate_all(evaluations, tasks, jobs=1, backend=backend, progress=progress, **eval_kwargs)
     queue = [_Job(run_id, (train_run, run, runs_dir, progress),
                   {run.start.run_id} & set(pending) if isinstance(run.start, TrainRun) else set())
@@ -194,7 +189,12 @@ def train_and_evaluate(runs: list[TrainRun], evaluations: list["Evaluation"], ta
     made_by = {str(runs_dir / run_id): run_id for run_id in pending}
     queue += [_Job(f"evaluate {e.results_dir}", (_evaluate, e, tasks, backend, progress, eval_kwargs),
                    {made_by[str(e.model)]} if str(e.model) in made_by else set()) for e in todo]
-    _run_side_by_side(queue, jobs)
+    if jobs > 1 and len(queue) > 1:
+        _run_side_by_side(queue, jobs)
+    else:
+        for run in pending.values():
+            train_run(run, runs_dir, progress)
+    # the evaluations left to do run here, one after another; finished ones are read back
     return evaluate_all(evaluations, tasks, jobs=1, backend=backend, progress=progress, **eval_kwargs)
 
 
@@ -239,7 +239,7 @@ def start_order(pending: dict[str, TrainRun], batch: set[str]) -> list[tuple[str
 
 
 def _side_by_side() -> None:
-    """A worker process of `train_runs`: one torch thread, and progress as plain lines (no bars to tangle)."""
+    """A worker process of `_run_side_by_side`: one torch thread, and progress as plain lines (no bars to tangle)."""
     import os
 
     import torch
@@ -281,8 +281,8 @@ def evaluate_all(evaluations: list[Evaluation], tasks: str, *, jobs: int = 1, ba
     spawned process with one torch thread, as training's runs do; the results are the same (every
     sample is seeded by its problem). A failure propagates once the running ones finish."""
     first = _first_of_each(evaluations)
-    todo = _evaluations_to_run(evaluations, tasks)
-    if jobs > 1 and len(todo) > 1 and backend == "native" and not _cuda():
+    todo = _evaluations_to_run(evaluations, tasks) if jobs > 1 and backend == "native" and not _cuda() else []
+    if len(todo) > 1:
         _run_side_by_side([_Job(str(e.results_dir), (_evaluate, e, tasks, backend, progress, eval_kwargs), set())
                            for e in todo], min(jobs, len(todo)))
     results = []
