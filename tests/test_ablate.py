@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from typer.testing import CliRunner
 
@@ -208,3 +210,18 @@ def test_runs_trained_side_by_side_equal_runs_trained_one_after_another(tmp_path
         assert a.keys() == b.keys() and all(a[k].equal(b[k]) for k in a), run.run_id
     # finished runs are skipped: nothing trains the second time
     ablations.train_runs(runs, tmp_path / "par", jobs=2, progress=False)
+
+
+def test_final_gate_means_reads_the_last_logged_gate(tmp_path):
+    """A run's gate at the end of training: the last record that logged one, averaged over layers."""
+    from melt_eval.training.runs import final_gate_means
+
+    assert final_gate_means(tmp_path) is None  # no log
+    (tmp_path / "logs").mkdir()
+    records = [{"step": 1, "gate_mean": {"layer0": [None, 0.4, 0.5], "layer1": [None, 0.6, 0.7]}},
+               {"step": 2, "gate_mean": {"layer0": [None, 0.2, 0.3], "layer1": [None, 0.4, 0.6]}},
+               {"step": 3, "loss": 0.1}]  # a step that logged no gate
+    (tmp_path / "logs" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert final_gate_means(tmp_path) == [0.3, 0.45]
+    (tmp_path / "logs" / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 2.0}) + "\n")
+    assert final_gate_means(tmp_path) is None  # a LoopLM run

@@ -52,6 +52,11 @@ def test_quick_demo_writes_every_table_and_figure(quick_demo):
         rows = summary["loop_profile"][name]
         assert [r["loop"] for r in rows] == [1, 2, 3, 4] and rows[-1]["distance_to_last"] == 0.0
         assert all(r["reply_loss"] >= 0 and 0 <= r["greedy_error"] <= 1 for r in rows)
+    # what each gate learned, read from its run's log: the fixed gates show their rule exactly
+    gates = summary["gate_profile"]
+    assert set(gates) == {"elementwise", "scalar", "ema-0.2", "mean", "last", "melt-tiny"}
+    assert gates["mean"] == [0.5, 0.6667, 0.75] and gates["last"] == [0.0] * 3 and gates["ema-0.2"] == [0.2] * 3
+    assert all(len(gates[g]) == 3 and all(0 < z < 1 for z in gates[g]) for g in ("elementwise", "scalar", "melt-tiny"))
     # the claims table, computed from the results, as report/claims.json too
     claims = json.loads((quick_demo / "report" / "claims.json").read_text())
     assert len(claims) == 6 and all({"claim", "measured", "threshold", "holds"} <= set(c) for c in claims)

@@ -137,6 +137,7 @@ def _run_demo(output: Path, quick: bool, progress: bool, seed: int, threads: int
     from melt_eval.report.results import load_results
     from melt_eval.report.tables import build_tables
     from melt_eval.report.write import write_report
+    from melt_eval.training.runs import final_gate_means
 
     report = write_report(results, output / "report", plot_task=TASK)
     paper_tables = [t for t in build_tables(load_results(output / "no-results")) if t.key != "main"]
@@ -145,6 +146,9 @@ def _run_demo(output: Path, quick: bool, progress: bool, seed: int, threads: int
     write_json_atomic(output / "report" / "claims.json", [c.to_json() for c in claims])
     # where each model does its work, loop by loop: the README traces the conversion's seed dependence to it
     profiles = {name: checkpoint_profile(model) for name, model in main.items()}
+    # what each gate learned (z at loops 2..T at the end of training), to read beside the gate claim
+    gate_profile = {v.name: final_gate_means(runs / v.train[-1].run_id) for v in variants if v.ablation == "gates"}
+    gate_profile["melt-tiny"] = final_gate_means(runs / full.train[-1].run_id)
 
     def pass_at_1(name: str) -> float:
         return json.loads((results / name / TASK / "results.json").read_text())["metrics"]["pass@1"]["value"]
@@ -154,6 +158,7 @@ def _run_demo(output: Path, quick: bool, progress: bool, seed: int, threads: int
         "quick": quick, "seed": seed, "wall_time_s": round(time.perf_counter() - started, 1), "stages_s": stages,
         "load_average": {"start": load_at_start, "end": _load_average()},
         "teacher_pass@1": pass_at_1("ouro-tiny"), "melt_pass@1": pass_at_1("melt-tiny"), "loop_profile": profiles,
+        "gate_profile": gate_profile,
         "claims_hold": sum(c.holds is True for c in claims), "claims": len(claims),
         "files": [str(f) for f in report["files"]] + [str(output / "report" / f) for f in ("paper_tables.md", "claims.json")],
         "previous_runs": _previous_runs(output / "demo.json"),
@@ -174,6 +179,8 @@ def _run_demo(output: Path, quick: bool, progress: bool, seed: int, threads: int
               + ("" if quick or summary["teacher_pass@1"] >= 0.5 else " (the teacher is below the 50% the full demo aims for)"))
         _echo(f"reply loss at each loop, teacher-forced on {SEQUENCES} training chats (demo.json loop_profile): "
               + "; ".join(f"{name} {summary_line(rows)}" for name, rows in profiles.items()))
+        _echo("gate z at loops 2-4 at the end of training, mean over layers (demo.json gate_profile): "
+              + "; ".join(f"{name} {' / '.join(f'{z:.2f}' for z in zs)}" for name, zs in gate_profile.items() if zs))
         _heading("The paper's claims, checked against these results (report/claims.json):")
         for c in claims:  # one line each: readable in a log as on a terminal
             mark = {True: "\u2713", False: "\u2717", None: "n/a"}[c.holds]

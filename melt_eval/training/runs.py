@@ -6,6 +6,7 @@ callers ask here instead of reading those files.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from melt_eval.training.runner import _read_meta
@@ -19,6 +20,21 @@ def run_state(run_dir: Path) -> str:
     if isinstance(meta, dict) and meta.get("status") == "finished":
         return FINISHED
     return INTERRUPTED if (run_dir / "recipe.yaml").exists() else NOT_STARTED
+
+
+def final_gate_means(run_dir: Path) -> list[float] | None:
+    """The MELT gate's mean z_t at loops t = 2..T at the end of a run, averaged over layers: the last
+    training record that logged it (over that step's batch, padding included). None: no gate was logged
+    (a LoopLM run, or no log). What each gate learned; the mean gate reads (t - 1) / t, `last` 0."""
+    log = run_dir / "logs" / "metrics.jsonl"
+    if not log.exists():
+        return None
+    for line in reversed(log.read_text().splitlines()):
+        by_layer = json.loads(line).get("gate_mean") if line.strip() else None
+        if by_layer:
+            loops = zip(*by_layer.values())  # per loop, one value per layer (None at loop 1)
+            return [round(sum(v) / len(v), 4) for v in loops if None not in v]
+    return None
 
 
 # Recipe keys with a switch of their own on `melt-eval train` (training/cli.py); any other key is --set.
