@@ -23,9 +23,9 @@ def run_state(run_dir: Path) -> str:
 
 
 def final_gate_means(run_dir: Path) -> list[float] | None:
-    """The MELT gate's mean z_t at loops t = 2..T at the end of a run, averaged over layers: the last
-    training record that logged it (over that step's batch, padding included). None: no gate was logged
-    (a LoopLM run, or no log). What each gate learned; the mean gate reads (t - 1) / t, `last` 0."""
+    """The MELT gate's mean z_t at loops t = 2..T at the end of a run, averaged over layers, from the last
+    training record that logged it (a mean over that step's chunks, padded rows included); None where
+    no gate was logged (a LoopLM run, or no log). The mean gate reads (t - 1) / t, `last` 0."""
     log = run_dir / "logs" / "metrics.jsonl"
     if not log.exists():
         return None
