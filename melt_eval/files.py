@@ -152,7 +152,7 @@ class DirLock:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
-                holder = _read_record(fd)
+                holder = _holder_record(fd)
                 os.close(fd)
                 raise UserError(
                     f"{self.directory} is being written by another {self.what} ({_describe(holder, self.path)}); "
@@ -211,6 +211,20 @@ class DirLock:
         for made in reversed(missing):
             if made not in self.created:
                 self.created.append(made)
+
+
+def _holder_record(fd: int, wait: float = 2.0) -> dict:
+    """The lock holder's record, as a refused writer sees it. A holder writes its record just after it
+    takes the flock; one refused inside that window would read an empty record, or the record of the
+    dead holder it took over, so wait (briefly) for a live PID to appear."""
+    deadline = time.monotonic() + wait
+    while True:
+        record = _read_record(fd)
+        pid, host = record.get("pid"), record.get("host")
+        settled = isinstance(pid, int) and (host != socket.gethostname() or _alive(pid))
+        if settled or time.monotonic() >= deadline:
+            return record
+        time.sleep(0.02)
 
 
 def _read_record(fd: int) -> dict:

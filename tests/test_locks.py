@@ -8,6 +8,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -80,6 +81,30 @@ def test_a_second_writer_is_refused_and_a_killed_holders_lock_is_taken_over(tmp_
         with pytest.raises(UserError, match=f"PID {os.getpid()}"):  # even the same process cannot write twice
             DirLock(target, "evaluation").acquire()
     assert not (target / LOCK_NAME).exists() and target.is_dir()
+
+
+def test_a_writer_refused_while_the_holder_writes_its_record_still_names_its_pid(tmp_path):
+    """The race CI hit: the second writer is refused between the holder's flock and its record write."""
+    import fcntl
+    import threading
+
+    tmp_path.joinpath(LOCK_NAME).write_text(json.dumps({"pid": 2**22 + 7, "host": socket.gethostname()}))  # a dead holder's
+    fd = os.open(tmp_path / LOCK_NAME, os.O_RDWR)
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # locked; the record still names the dead holder, then none
+
+    def write_record():
+        os.ftruncate(fd, 0)
+        threading.Event().wait(0.3)
+        os.pwrite(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname()}).encode(), 0)
+
+    writer = threading.Thread(target=write_record)
+    writer.start()
+    try:
+        with pytest.raises(UserError, match=f"another evaluation \\(PID {os.getpid()}\\)"):
+            DirLock(tmp_path, "evaluation").acquire()
+    finally:
+        writer.join()
+        os.close(fd)
 
 
 def test_a_lock_leaves_no_directories_behind_and_refuses_a_file(tmp_path):
