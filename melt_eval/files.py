@@ -96,12 +96,17 @@ def _alive(pid: int) -> bool:
     return True
 
 
+def _exited(holder: dict) -> bool:
+    """The record names a process on this host (or no host) that no longer runs."""
+    return holder.get("host") in (None, socket.gethostname()) and not _alive(holder["pid"])
+
+
 def _describe(holder: dict, lock_file: Path) -> str:
     pid, host = holder.get("pid"), holder.get("host")
     if not isinstance(pid, int):
         return "a process that is just starting"
     where = f"PID {pid}" + (f" on {host}" if host and host != socket.gethostname() else "")
-    if host in (None, socket.gethostname()) and not _alive(pid):
+    if _exited(holder):
         return f"a process started by {where}, which has exited (find it with `fuser {lock_file}`)"
     since = holder.get("since")
     command = str(holder.get("command") or "")[:120]
@@ -220,8 +225,7 @@ def _holder_record(fd: int, wait: float = 2.0) -> dict:
     deadline = time.monotonic() + wait
     while True:
         record = _read_record(fd)
-        pid, host = record.get("pid"), record.get("host")
-        settled = isinstance(pid, int) and (host != socket.gethostname() or _alive(pid))
+        settled = isinstance(record.get("pid"), int) and not _exited(record)
         if settled or time.monotonic() >= deadline:
             return record
         time.sleep(0.02)

@@ -4,6 +4,7 @@ taken over. Recipe YAML refuses aliases (an alias bomb is a one-line error, not 
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import re
@@ -11,6 +12,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -85,9 +87,6 @@ def test_a_second_writer_is_refused_and_a_killed_holders_lock_is_taken_over(tmp_
 
 def test_a_writer_refused_while_the_holder_writes_its_record_still_names_its_pid(tmp_path):
     """The race CI hit: the second writer is refused between the holder's flock and its record write."""
-    import fcntl
-    import threading
-
     tmp_path.joinpath(LOCK_NAME).write_text(json.dumps({"pid": 2**22 + 7, "host": socket.gethostname()}))  # a dead holder's
     fd = os.open(tmp_path / LOCK_NAME, os.O_RDWR)
     fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # locked; the record still names the dead holder, then none

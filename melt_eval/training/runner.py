@@ -303,6 +303,21 @@ def _load_checkpoint(accelerator, stream, output: Path, candidates: list[Path]) 
     return 0, 0, None
 
 
+def read_metrics(path: Path) -> tuple[list[tuple[str, dict]], int]:
+    """A metrics.jsonl's records as (line, record), in order, and how many lines were cut (an
+    interrupted write leaves a last line that does not parse)."""
+    records, cut = [], 0
+    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            cut += bool(line.strip())
+            continue
+        if isinstance(record, dict):
+            records.append((line, record))
+    return records, cut
+
+
 class Logger:
     """Per-step metrics to JSONL and TensorBoard (main process only)."""
 
@@ -315,15 +330,8 @@ class Logger:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.note = None
         if self.path.exists():  # drop records of steps the resumed run will redo, and lines cut by an interruption
-            keep, cut = [], 0
-            for line in self.path.read_text(encoding="utf-8", errors="replace").splitlines():
-                try:
-                    record = json.loads(line)
-                except ValueError:
-                    cut += bool(line.strip())
-                    continue
-                if isinstance(record, dict) and isinstance(record.get("step"), int) and record["step"] <= resume_step:
-                    keep.append(line)
+            records, cut = read_metrics(self.path)
+            keep = [line for line, record in records if isinstance(record.get("step"), int) and record["step"] <= resume_step]
             write_text_atomic(self.path, "".join(line + "\n" for line in keep))
             if cut:
                 self.note = f"dropped {cut} cut line{'s' if cut > 1 else ''} of {self.path}"

@@ -6,10 +6,9 @@ callers ask here instead of reading those files.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
-from melt_eval.training.runner import _read_meta
+from melt_eval.training.runner import _read_meta, read_metrics
 
 FINISHED, INTERRUPTED, NOT_STARTED = "finished", "interrupted", "not started"
 
@@ -29,8 +28,8 @@ def final_gate_means(run_dir: Path) -> list[float] | None:
     log = run_dir / "logs" / "metrics.jsonl"
     if not log.exists():
         return None
-    for line in reversed(log.read_text().splitlines()):
-        by_layer = json.loads(line).get("gate_mean") if line.strip() else None
+    for _, record in reversed(read_metrics(log)[0]):
+        by_layer = record.get("gate_mean")
         if by_layer:
             loops = zip(*by_layer.values())  # per loop, one value per layer (None at loop 1)
             return [round(sum(v) / len(v), 4) for v in loops if None not in v]
