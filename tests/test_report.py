@@ -305,6 +305,30 @@ def test_claims_are_computed_from_the_results(tmp_path):
     assert [c.holds for c in paper_claims(load_results(tmp_path / "partial"))] == [None] * 6
 
 
+def test_a_claim_resting_on_less_than_two_standard_errors_says_so_without_changing_its_verdict(tmp_path):
+    from melt_eval.report.claims import paper_claims
+
+    # every result has stderr 0.01: a 1-point lead is 0.7 standard errors of the difference
+    _demo_like_results(tmp_path / "close", **{"gates/scalar": 0.44, "components/no-kd": 0.295})
+    claims = paper_claims(load_results(tmp_path / "close"))
+    ladder, gates = claims[3], claims[4]
+    assert ladder.holds and gates.holds  # the verdicts follow the thresholds alone
+    assert gates.values["lead_in_stderr"] == pytest.approx(0.01 / (2 * 0.01 ** 2) ** 0.5)
+    assert gates.measured.endswith("; within 2 standard errors: elementwise - scalar +1.0 (0.7 se)")
+    assert ladder.values["drops_in_stderr"]["-kd"] == pytest.approx(0.005 / (2 * 0.01 ** 2) ** 0.5)
+    assert ladder.measured.endswith("; within 2 standard errors: -kd -0.5 (0.4 se)")
+    # wide gaps are not named; a result without a standard error names nothing and claims nothing
+    _demo_like_results(tmp_path / "good")
+    good = paper_claims(load_results(tmp_path / "good"))
+    assert "standard errors" not in good[3].measured + good[4].measured
+    scalar = tmp_path / "close" / "ablations" / "gates" / "scalar" / "synthetic" / "results.json"
+    body = json.loads(scalar.read_text())
+    del body["metrics"]["pass@1"]["stderr"]
+    scalar.write_text(json.dumps(body))
+    gates = paper_claims(load_results(tmp_path / "close"))[4]
+    assert gates.holds and gates.values["lead_in_stderr"] is None and "standard errors" not in gates.measured
+
+
 def test_demo_report_names_the_models_that_produced_the_numbers(tmp_path):
     _demo_like_results(tmp_path)
     tables = {t.key: t for t in build_tables(load_results(tmp_path))}

@@ -12,6 +12,12 @@ Thresholds are fixed here, once, from the paper's wording; they are not tuned to
   5. the element-wise gate is the best gate: no other gate scores higher;
   6. accuracy rises with T while MELT's cache stays constant: MELT's pass@1 never falls as T grows,
      is higher at the largest T than at T = 1, and the cache its runs measured is the same at every T.
+
+The comparisons (the ladder's steps, the gates) also give each gap in standard errors, from the
+results' per-problem standard errors, and name the ones under `NOISE` of them: with 100 problems a
+point or two is within the noise, and a reader should see when a ✓ or ✗ rests on it. The errors are
+taken as independent (the models answer the same problems, so this overstates the noise, never hides
+it). This annotates; it never changes `holds`.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ UNTRAINED = tuple(v for v in variants.RUN_ORDER["kv-sharing"] if v != "ouro")
 LADDER = tuple(v for v in variants.LADDER if v != "no-chunk")
 GATES = variants.GATE_VARIANTS
 CACHE_TOLERANCE = 0.01  # relative: a measured cache ratio within 1% of 1/T is 1/T
+NOISE = 2.0  # gaps under this many standard errors are named as within the noise (annotation only)
 
 
 @dataclass
@@ -45,8 +52,12 @@ class Claim:
                 "values": self.values, "paper": self.paper, "paper_holds": self.paper_holds}
 
 
+def _first(result: Result) -> tuple[float, float | None] | None:
+    return result.metric("pass@1") or result.metric("accuracy")
+
+
 def first_score(result: Result) -> float | None:
-    got = result.metric("pass@1") or result.metric("accuracy")
+    got = _first(result)
     return None if got is None else got[0]
 
 
@@ -92,6 +103,35 @@ def _mean_over_shared(entries: dict[str, dict[str, Result]]) -> tuple[dict[str, 
     if not shared:
         return None
     return {k: sum(v[t] for t in shared) / len(shared) for k, v in scored.items()}, shared
+
+
+def _stderr_over_shared(entries: dict[str, dict[str, Result]], shared: list[str]) -> dict[str, float | None]:
+    """The standard error of each entry's mean over `shared` tasks (None where a task has none)."""
+    out = {}
+    for k, results in entries.items():
+        errs = [_first(results[t])[1] for t in shared]  # every shared task has a score
+        out[k] = None if any(e is None for e in errs) else sum(e * e for e in errs) ** 0.5 / len(errs)
+    return out
+
+
+def _gaps_in_stderr(pairs: dict[str, tuple[str, str]], means: dict[str, float],
+                    stderr: dict[str, float | None]) -> dict[str, float | None]:
+    """For each named pair (a, b): (mean a - mean b) / the standard error of that difference; None where
+    an error is missing or both are 0 (two scores at the ceiling or the floor)."""
+    out = {}
+    for name, (a, b) in pairs.items():
+        ea, eb = stderr.get(a), stderr.get(b)
+        se = None if ea is None or eb is None else (ea * ea + eb * eb) ** 0.5
+        out[name] = (means[a] - means[b]) / se if se else None
+    return out
+
+
+def _within_noise(gaps: dict[str, float | None], changes: dict[str, float]) -> str:
+    """The measured-text note naming the gaps under NOISE standard errors ('' if none); `changes`: each
+    gap's signed difference in pass@1 as the text should read it."""
+    close = [f"{name} {100 * changes[name] + 0.0:+.1f} ({abs(z):.1f} se)" for name, z in gaps.items()
+             if z is not None and abs(z) < NOISE]
+    return f"; within {NOISE:g} standard errors: " + ", ".join(close) if close else ""
 
 
 # ------------------------------------------------------------------ the checks (ours)
@@ -173,13 +213,17 @@ def _ladder(rs: ResultSet, claim: Claim) -> None:
     got = _mean_over_shared(entries)
     if got is None:
         return
-    means, _ = got
-    drops = {f"-{b[3:]}": means[a] - means[b] for a, b in zip(LADDER, LADDER[1:])}
-    claim.values = {"pass@1": means, "drops": drops}
+    means, shared = got
+    steps = {f"-{b[3:]}": (a, b) for a, b in zip(LADDER, LADDER[1:])}
+    drops = {k: means[a] - means[b] for k, (a, b) in steps.items()}
+    stderr = _stderr_over_shared(entries, shared)
+    gaps = _gaps_in_stderr(steps, means, stderr)
+    claim.values = {"pass@1": means, "drops": drops, "stderr": stderr, "drops_in_stderr": gaps}
     claim.measured = ", ".join(f"{v} {_pct(means[v])}" for v in LADDER)
     claim.holds = all(d > 0 for d in drops.values())
     if not claim.holds:
         claim.measured += "; " + ", ".join(f"removing {k[1:]} changes {100 * -d + 0.0:+.1f}" for k, d in drops.items() if d <= 0)
+    claim.measured += _within_noise(gaps, {k: -d for k, d in drops.items()})  # what each removal changes
 
 
 def _best_gate(rs: ResultSet, claim: Claim) -> None:
@@ -191,10 +235,14 @@ def _best_gate(rs: ResultSet, claim: Claim) -> None:
     got = _mean_over_shared(entries)
     if got is None:
         return
-    means, _ = got
+    means, shared = got
     best_other = max((g for g in means if g != "elementwise"), key=means.get)
-    claim.values = {"pass@1": means}
+    stderr = _stderr_over_shared(entries, shared)
+    lead = f"elementwise - {best_other}"
+    gaps = _gaps_in_stderr({lead: ("elementwise", best_other)}, means, stderr)
+    claim.values = {"pass@1": means, "stderr": stderr, "lead_in_stderr": gaps[lead]}
     claim.measured = f"elementwise {_pct(means['elementwise'])}; best other: {best_other} {_pct(means[best_other])}"
+    claim.measured += _within_noise(gaps, {lead: means["elementwise"] - means[best_other]})
     claim.holds = means["elementwise"] >= means[best_other]
 
 
