@@ -329,6 +329,56 @@ def test_a_claim_resting_on_less_than_two_standard_errors_says_so_without_changi
     assert gates.holds and gates.values["lead_in_stderr"] is None and "standard errors" not in gates.measured
 
 
+def test_claims_across_seeds_count_the_runs_each_claim_holds_in(tmp_path, capsys):
+    import sys
+
+    from melt_eval.cli import main
+
+    # two demo output directories (results/ and demo.json); at seed 1 the scalar gate beats the element-wise one
+    for seed, override in ((0, {}), (1, {"gates/scalar": 0.48})):
+        _demo_like_results(tmp_path / f"demo-{seed}" / "results", **override)
+        (tmp_path / f"demo-{seed}" / "demo.json").write_text(json.dumps({"seed": seed, "quick": False}))
+    dirs = [str(tmp_path / "demo-0"), str(tmp_path / "demo-1")]
+
+    res = runner.invoke(app, ["claims", *dirs, "--format", "json"])
+    assert res.exit_code == 0, res.output
+    got = json.loads(res.output)
+    assert [(r["label"], r["claims_hold"]) for r in got["runs"]] == [("seed 0", 6), ("seed 1", 5)]
+    gate = got["claims"][4]
+    assert gate["claim"] == "The element-wise gate is the best gate"
+    assert (gate["holds_in"], gate["measured_in"]) == (1, 2)
+    assert [r["holds"] for r in gate["runs"]] == [True, False]
+    assert gate["runs"][1]["brief"] == "45.0; scalar 48.0 (-2.1 se)"  # stderr 0.01 each: 0.03 / 0.0141
+    assert [c["holds_in"] for c in got["claims"]] == [2, 2, 2, 2, 1, 2]
+
+    res = runner.invoke(app, ["claims", *dirs, "--format", "markdown"])
+    assert res.exit_code == 0, res.output
+    lines = res.output.splitlines()
+    assert "| Claim | seed 0 | seed 1 | Holds in | The paper |" in lines
+    gate_row = next(line for line in lines if line.startswith("| The element-wise gate"))
+    assert "| ✓ 45.0; scalar 40.0 (+3.5 se) | ✗ 45.0; scalar 48.0 (-2.1 se) | 1 of 2 |" in gate_row
+    ladder_row = next(line for line in lines if line.startswith("| Each other ladder"))
+    assert "✓ 50.0 > 45.0 > 30.0 > 20.0" in ladder_row
+    assert "| Claims that hold | 6 of 6 | 5 of 6 |" in res.output
+    assert "\\begin{tabular}" in runner.invoke(app, ["claims", *dirs, "--format", "latex"]).output
+
+    # a results root without demo.json is labelled by its directory; runs the seeds cannot tell apart too
+    res = runner.invoke(app, ["claims", str(tmp_path / "demo-0" / "results"), dirs[1], "--format", "json"])
+    assert [r["label"] for r in json.loads(res.output)["runs"]] == ["results", "demo-1"]
+
+    # bad input: one line, exit 2, for a missing directory and for one without results
+    (tmp_path / "empty").mkdir()
+    for args in ([str(tmp_path / "typo")], [str(tmp_path / "empty")], [dirs[0], "--format", "csv"]):
+        old, sys.argv = sys.argv, ["melt-eval", "claims", *args]
+        try:
+            with pytest.raises(SystemExit) as exc:
+                main()
+        finally:
+            sys.argv = old
+        err = capsys.readouterr().err
+        assert exc.value.code == 2 and err.startswith("error: ") and err.count("\n") == 1, err
+
+
 def test_demo_report_names_the_models_that_produced_the_numbers(tmp_path):
     _demo_like_results(tmp_path)
     tables = {t.key: t for t in build_tables(load_results(tmp_path))}

@@ -18,14 +18,19 @@ results' per-problem standard errors, and name the ones under `NOISE` of them: w
 point or two is within the noise, and a reader should see when a ✓ or ✗ rests on it. The errors are
 taken as independent (the models answer the same problems, so this overstates the noise, never hides
 it). This annotates; it never changes `holds`.
+
+`claims_of_runs` checks the same claims in several runs (the demo at several seeds) for one table across
+them (`melt-eval claims DIR...`): how many runs each claim holds in is what says whether it is robust.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from melt_eval.experiments import variants
-from melt_eval.report.results import Result, ResultSet
+from melt_eval.report.results import Result, ResultSet, load_results
 
 KEEP = 0.90  # claim 1
 COLLAPSE = 0.25  # claims 2 and 3
@@ -34,6 +39,7 @@ UNTRAINED = tuple(v for v in variants.RUN_ORDER["kv-sharing"] if v != "ouro")
 LADDER = tuple(v for v in variants.LADDER if v != "no-chunk")
 GATES = variants.GATE_VARIANTS
 CACHE_TOLERANCE = 0.01  # relative: a measured cache ratio within 1% of 1/T is 1/T
+LE = "\u2264"
 NOISE = 2.0  # gaps under this many standard errors are named as within the noise (annotation only)
 
 
@@ -42,6 +48,7 @@ class Claim:
     claim: str
     threshold: str
     measured: str | None = None  # the figures, with the names of the models that produced them
+    brief: str | None = None  # the deciding figures in a few words: a cell of the table across runs
     holds: bool | None = None  # None: not measured (results missing)
     paper: str | None = None  # the same check on the paper's own numbers
     paper_holds: bool | None = None
@@ -49,7 +56,7 @@ class Claim:
 
     def to_json(self) -> dict:
         return {"claim": self.claim, "measured": self.measured, "threshold": self.threshold, "holds": self.holds,
-                "values": self.values, "paper": self.paper, "paper_holds": self.paper_holds}
+                "brief": self.brief, "values": self.values, "paper": self.paper, "paper_holds": self.paper_holds}
 
 
 def _first(result: Result) -> tuple[float, float | None] | None:
@@ -165,6 +172,8 @@ def _keeps_teacher(rs: ResultSet, claim: Claim) -> None:
     else:
         text += "; cache not recorded"
     claim.measured = text
+    claim.brief = f"{_pct(means['melt'])} / {_pct(means['teacher'])} = {ratio:.2f}" + \
+        (f", cache {claim.values['cache_ratio']:.3f}x" if caches else ", cache not recorded")
     claim.holds = ratio >= KEEP and cache_ok is not False
 
 
@@ -182,6 +191,7 @@ def _untrained_collapse(rs: ResultSet, claim: Claim) -> None:
     worst = max(ratios, key=ratios.get)
     claim.values = {"teacher_pass@1": means["ouro"], "ratios": ratios}
     claim.measured = ", ".join(f"{v} {r:.2f}" for v, r in ratios.items()) + f" of the teacher (max: {worst})"
+    claim.brief = f"at most {ratios[worst]:.2f} ({worst})"
     missing = [v for v in UNTRAINED if v not in ratios]
     if missing:
         claim.measured += f"; not run: {', '.join(missing)}"
@@ -199,6 +209,7 @@ def _chunk_collapse(rs: ResultSet, claim: Claim) -> None:
     ratio = means["no-chunk"] / means["full"]
     claim.values = {"full_pass@1": means["full"], "no_chunk_pass@1": means["no-chunk"], "ratio": ratio}
     claim.measured = f"{_pct(means['no-chunk'])} against {_pct(means['full'])} = {ratio:.2f} of full MELT"
+    claim.brief = f"{_pct(means['no-chunk'])} vs {_pct(means['full'])} = {ratio:.2f}"
     claim.holds = ratio < COLLAPSE
 
 
@@ -220,6 +231,8 @@ def _ladder(rs: ResultSet, claim: Claim) -> None:
     gaps = _gaps_in_stderr(steps, means, stderr)
     claim.values = {"pass@1": means, "drops": drops, "stderr": stderr, "drops_in_stderr": gaps}
     claim.measured = ", ".join(f"{v} {_pct(means[v])}" for v in LADDER)
+    claim.brief = _pct(means[LADDER[0]]) + "".join(
+        f" {'>' if drops[k] > 0 else LE} {_pct(means[b])}" for k, (_, b) in steps.items())
     claim.holds = all(d > 0 for d in drops.values())
     if not claim.holds:
         claim.measured += "; " + ", ".join(f"removing {k[1:]} changes {100 * -d + 0.0:+.1f}" for k, d in drops.items() if d <= 0)
@@ -242,6 +255,8 @@ def _best_gate(rs: ResultSet, claim: Claim) -> None:
     gaps = _gaps_in_stderr({lead: ("elementwise", best_other)}, means, stderr)
     claim.values = {"pass@1": means, "stderr": stderr, "lead_in_stderr": gaps[lead]}
     claim.measured = f"elementwise {_pct(means['elementwise'])}; best other: {best_other} {_pct(means[best_other])}"
+    claim.brief = f"{_pct(means['elementwise'])}; {best_other} {_pct(means[best_other])}" + \
+        ("" if gaps[lead] is None else f" ({gaps[lead]:+.1f} se)")
     claim.measured += _within_noise(gaps, {lead: means["elementwise"] - means[best_other]})
     claim.holds = means["elementwise"] >= means[best_other]
 
@@ -265,6 +280,8 @@ def _rises_with_loops(rs: ResultSet, claim: Claim) -> None:
         ",".join(str(p.loops) for p in points)
     claim.measured += "; cache not recorded" if constant is None else \
         "; cache " + " / ".join(f"{c:.2f}" for c in cache) + " MiB"
+    claim.brief = " / ".join(f"{a:.1f}" for a in acc) + ("; cache not recorded" if constant is None else
+                                                         "; cache constant" if constant else "; cache varies")
     claim.holds = rising and constant is not False
 
 
@@ -328,3 +345,60 @@ def paper_claims(rs: ResultSet) -> list[Claim]:
         check(rs, claim)
         out.append(claim)
     return out
+
+
+# ------------------------------------------------------------------ the same claims across runs (seeds)
+
+
+@dataclass
+class RunClaims:
+    label: str  # "seed 3" for a demo directory, else the directory's name
+    path: Path
+    claims: list[Claim]
+
+    @property
+    def holding(self) -> int:
+        return sum(c.holds is True for c in self.claims)
+
+
+def results_root(directory: Path) -> Path:
+    """A demo's output directory holds its results under results/; anything else is a results root."""
+    return directory / "results" if (directory / "results").is_dir() else directory
+
+
+def _demo_label(directory: Path) -> str | None:
+    try:
+        demo = json.loads((directory / "demo.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(demo, dict) or demo.get("seed") is None:
+        return None
+    return f"seed {demo['seed']}" + (" (--quick)" if demo.get("quick") else "")
+
+
+def claims_of_runs(directories: list[Path]) -> list[RunClaims]:
+    """Each run's claims, computed from its results (never read back from its claims.json), labelled by
+    the demo's seed where the directory is a demo's; directory names where the seeds would not tell runs apart."""
+    labels = [_demo_label(d) for d in directories]
+    if None in labels or len(set(labels)) < len(labels):
+        labels = [d.name or str(d) for d in directories]
+        if len(set(labels)) < len(labels):
+            labels = [str(d) for d in directories]
+    return [RunClaims(label, d, paper_claims(load_results(results_root(d)))) for label, d in zip(labels, directories)]
+
+
+def across_json(runs: list[RunClaims]) -> dict:
+    """For a script: each claim with its verdict and figures in every run, and how many runs it holds in."""
+    claims = []
+    for i, first in enumerate(runs[0].claims):
+        per_run = [r.claims[i] for r in runs]
+        claims.append({
+            "claim": first.claim, "threshold": first.threshold,
+            "holds_in": sum(c.holds is True for c in per_run), "measured_in": sum(c.holds is not None for c in per_run),
+            "runs": [{"label": r.label, "holds": c.holds, "brief": c.brief, "measured": c.measured, "values": c.values}
+                     for r, c in zip(runs, per_run)],
+            "paper": first.paper, "paper_holds": first.paper_holds,
+        })
+    return {"runs": [{"label": r.label, "path": str(r.path), "claims_hold": r.holding, "claims": len(r.claims)}
+                     for r in runs],
+            "claims": claims}

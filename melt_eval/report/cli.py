@@ -9,7 +9,7 @@ from typing import Optional
 import typer
 
 from melt_eval.errors import UserError
-from melt_eval.report.render import print_tables, render_latex
+from melt_eval.report.render import print_tables, render_latex, render_markdown
 from melt_eval.report.write import write_report
 
 
@@ -45,6 +45,37 @@ def register(app: typer.Typer) -> None:
             typer.echo(note)
         for f in out["files"]:
             typer.echo(f"wrote {f}")
+
+    @app.command()
+    def claims(
+        runs: list[Path] = typer.Argument(..., help="Demo output directories (or results roots), e.g. demo-seed0 demo-seed1."),
+        fmt: str = typer.Option("table", "--format", help="table | markdown | latex | json"),
+    ) -> None:
+        """The paper's claims in each run, side by side, and how many runs each holds in (the demo at several seeds)."""
+        from melt_eval.report.claims import across_json, claims_of_runs, results_root
+        from melt_eval.report.tables import claims_across_table
+
+        if fmt not in ("table", "markdown", "latex", "json"):
+            raise UserError(f"--format must be table, markdown, latex or json, got {fmt!r}")
+        for d in runs:
+            if not d.is_dir():
+                raise UserError(f"{d} is not a directory; pass demo output directories (melt-eval demo --output DIR) "
+                                "or results roots")
+            if not any(results_root(d).glob("**/results.json")):
+                raise UserError(f"no results under {d}; pass a directory the demo, run or ablate wrote")
+        checked = claims_of_runs(runs)
+        if fmt == "json":
+            typer.echo(json.dumps(across_json(checked), indent=2))
+            return
+        table = claims_across_table(checked)
+        if fmt == "markdown":
+            typer.echo(render_markdown(table), nl=False)
+        elif fmt == "latex":
+            typer.echo(render_latex(table), nl=False)
+        else:
+            from rich.console import Console
+
+            print_tables([table], width=None if Console().is_terminal else 220)
 
     @app.command()
     def memory(

@@ -328,16 +328,16 @@ def _ratio(x: float) -> str:
     return f"{x:.2f}".rstrip("0").rstrip(".")
 
 
+_MARKS = {True: "\u2713", False: "\u2717", None: NA}
+
+
 def claims_table(rs: ResultSet) -> Table:
     """The paper's claims, each with what the results measured, its threshold and whether it holds;
     the same check on the paper's own numbers beside (melt_eval.report.claims)."""
     from melt_eval.report.claims import paper_claims
 
-    def holds(h: bool | None) -> Cell:
-        return Cell(text={True: "\u2713", False: "\u2717", None: NA}[h])
-
-    rows = [Row([c.claim], [Cell(text=c.measured or "not run"), Cell(text=c.threshold), holds(c.holds),
-                            Cell(text=c.paper or "(a figure; no numbers)"), holds(c.paper_holds)])
+    rows = [Row([c.claim], [Cell(text=c.measured or "not run"), Cell(text=c.threshold), Cell(text=_MARKS[c.holds]),
+                            Cell(text=c.paper or "(a figure; no numbers)"), Cell(text=_MARKS[c.paper_holds])])
             for c in paper_claims(rs)]
     return Table(
         key="claims",
@@ -349,6 +349,35 @@ def claims_table(rs: ResultSet) -> Table:
         heads=["Measured", "Threshold", "Holds", "Paper's numbers", "Holds in the paper"],
         rows=rows,
         notes=["n/a: the results a claim needs are missing."],
+    )
+
+
+def claims_across_table(runs) -> Table:
+    """The claims in each of several runs (`claims.RunClaims`, e.g. the demo at several seeds): the verdict
+    and its deciding figures per run, how many runs each holds in, and the check on the paper's numbers."""
+    first = runs[0].claims
+    rows = []
+    for i, c in enumerate(first):
+        per_run = [r.claims[i] for r in runs]
+        measured = sum(x.holds is not None for x in per_run)
+        cells = [Cell(text=f"{_MARKS[x.holds]} {x.brief or x.measured or 'not run'}") for x in per_run]
+        cells.append(Cell(text=f"{sum(x.holds is True for x in per_run)} of {measured}" if measured else NA))
+        cells.append(Cell(text=f"{_MARKS[c.paper_holds]} {c.paper}" if c.paper else "(a figure; no numbers)"))
+        rows.append(Row([c.claim], cells))
+    rows.append(Row(["Claims that hold"], [Cell(text=f"{r.holding} of {len(r.claims)}") for r in runs] + [Cell(text=""), Cell(text="")],
+                    rule_before=True))
+    return Table(
+        key="claims-across",
+        title=f"Paper claims across {len(runs)} runs",
+        caption="The paper's claims checked in each run (pass@1; the thresholds of the claims table), how many "
+        "runs each holds in, and the same check on the paper's own numbers.",
+        stub_heads=["Claim"],
+        heads=[r.label for r in runs] + ["Holds in", "The paper"],
+        rows=rows,
+        notes=["Ladder: full MELT, then each component removed in turn (- align, - interp, - KD); > where the "
+               "removal lowers pass@1. Gate: element-wise, then the best other gate; se: the lead in standard "
+               "errors of the difference. Loops: pass@1 at T = 1, 2, ...",
+               "n/a: the results a claim needs are missing."],
     )
 
 
