@@ -187,6 +187,7 @@ def _run_demo(output: Path, quick: bool, progress: bool, seed: int, threads: int
             paper = "" if c.paper_holds is None else f"; the paper's numbers: {c.paper} " + ("\u2713" if c.paper_holds else "\u2717")
             _echo(f"  {mark} {c.claim}: {c.measured or 'not run'} (needs {c.threshold}{paper})")
         _echo(f"{summary['claims_hold']} of {summary['claims']} claims hold" + (" (--quick: its numbers mean nothing)" if quick else ""))
+        _echo(f"the same claims across seeds: melt-eval demo --seed N --output DIR, then melt-eval claims {output} DIR ...")
     return summary
 
 
