@@ -120,6 +120,65 @@ def test_compiled_layer_step_keeps_the_gradients(looplm, batch):
         torch.testing.assert_close(results[1][1][name], results[0][1][name], atol=1e-6, rtol=0, msg=name)
 
 
+@pytest.mark.parametrize("whole_prompt", [False, True])
+@pytest.mark.parametrize("align_beta", [0.0, 0.1])
+@pytest.mark.parametrize("alpha", [0.0, 0.3, 1.0])
+@pytest.mark.parametrize("gate", GATES)
+def test_one_function_per_token_gives_the_gradients_of_the_concatenating_reference(looplm, batch, gate, alpha,
+                                                                                    align_beta, whole_prompt):
+    """The chunk-1 path of `compile_token_step` (token_step.py), run uncompiled here (the same code torch.compile
+    traces): every gate, the interpolation, the alignment term, grouped-query heads, right padding."""
+    from melt_eval.modeling.token_step import token_chunk
+
+    student = MeltForCausalLM.from_looplm(looplm, gate=gate, seed=1).train()
+    student.model.early_exit_gate.requires_grad_(False)
+    twin = copy.deepcopy(student)
+    calls = []
+
+    def counted(*args):
+        calls.append(1)
+        return token_chunk(*args)
+
+    student.model.token_step = counted
+    recipe, step = recipe_at(alpha, 1, align_beta, whole_prompt)
+    counts = dict(n_loss_tokens=float(batch["loss_mask"][:, 1:].sum()), n_tokens=float(batch["attention_mask"].sum()))
+    terms, _ = forward_objective(student, looplm, batch, recipe, step, **counts)
+    assert len(calls) == L - (3 if whole_prompt else 1)  # the fused path ran: one call per token after the first chunk
+    terms.total.backward()
+    ref_total, ref_sft = reference_loss(twin, looplm, batch, 1, alpha, align_beta, first_chunk=3 if whole_prompt else 0)
+    ref_total.backward()
+    assert abs(terms.total.item() - ref_total.item()) < 1e-6
+    assert abs(terms.parts["sft"] - ref_sft.item()) < 1e-6
+    got, want = grads(student), grads(twin)
+    assert set(got) == set(want) and len(got) > 10
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], atol=1e-6, rtol=0, msg=name)
+
+
+@pytest.mark.slow
+def test_compiled_token_step_keeps_the_gradients(looplm, batch):
+    """compile_token_step (recipe `compile: true` at chunk 1) at alpha < 1 with the alignment term, the prompt as
+    one chunk: same loss and gradients as the eager store path, and one compilation serves every token."""
+    recipe, step = recipe_at(0.3, 1, 0.1, whole_prompt=True)
+    counts = dict(n_loss_tokens=float(batch["loss_mask"][:, 1:].sum()), n_tokens=float(batch["attention_mask"].sum()))
+    from torch._dynamo.utils import counters
+
+    results = []
+    for compiled in (False, True):
+        student = MeltForCausalLM.from_looplm(looplm, gate="elementwise", seed=1).train()
+        if compiled:
+            student.model.compile_token_step()
+            graphs_before = counters["stats"]["unique_graphs"]
+        terms, _ = forward_objective(student, looplm, batch, recipe, step, **counts)
+        terms.total.backward()
+        results.append((terms.total.item(), grads(student)))
+    assert counters["stats"]["unique_graphs"] == graphs_before + 1  # one graph for all 7 one-token chunks
+    assert not counters["graph_break"]
+    assert abs(results[1][0] - results[0][0]) < 1e-6
+    for name in results[0][1]:
+        torch.testing.assert_close(results[1][1][name], results[0][1][name], atol=1e-6, rtol=0, msg=name)
+
+
 def saved_bytes(model, fn) -> int:
     """Bytes of the distinct tensors autograd saves for backward, parameters left out (they exist anyway)."""
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}

@@ -116,7 +116,8 @@ def test_prompt_as_one_chunk_trains_the_rule_of_a_whole_prompt_prefill(looplm, b
     assert terms.parts["sft"] == pytest.approx(float(whole) / counts(batch)["n_loss_tokens"], rel=1e-5)
     assert abs(float(whole) - float(exact)) > 1e-3 * abs(float(exact))  # the prompt's chunk changes the loss
     with pytest.raises(UserError, match="prompt_as_one_chunk: false"):
-        tiny(prompt_as_one_chunk=True, compile=True)
+        tiny(prompt_as_one_chunk=True, compile=True, chunk_size=16)
+    assert tiny(prompt_as_one_chunk=True, compile=True, chunk_size=1).compile  # one compiled call per token
 
 
 def test_loop_ce_weights_put_a_cross_entropy_on_every_loops_exit(looplm, batch):

@@ -133,6 +133,22 @@ def test_pretrain_looplm_from_scratch(tmp_path):
 
 
 @pytest.mark.slow
+def test_compiled_token_step_trains_the_demo_recipe_like_eager(tmp_path):
+    """`compile: true` on the demo's recipe (chunk 1, the prompt as one chunk) compiles each token's whole
+    chunk (compile_token_step): the same losses as eager, no padding added. At alpha 1 from the start: at
+    alpha 0 the student is its teacher and its gradients are rounding noise, which AdamW turns into lr-sized
+    steps (test_train_memory.py compares the compiled interpolation's gradients directly)."""
+    common = {**FAST_OVERRIDES, "max_steps": 2, "interpolation_steps": 0}
+    eager = run_recipe("tiny-phase1", "tiny-random-ouro", tmp_path / "eager", progress=False, overrides=common)
+    compiled = run_recipe("tiny-phase1", "tiny-random-ouro", tmp_path / "compiled", progress=False,
+                          overrides={**common, "compile": True})
+    la = [json.loads(l) for l in (eager / "logs" / "metrics.jsonl").read_text().splitlines()]
+    lb = [json.loads(l) for l in (compiled / "logs" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["loss"] for r in lb] == pytest.approx([r["loss"] for r in la], rel=1e-4)
+    assert [r["padding_fraction"] for r in lb] == [r["padding_fraction"] for r in la]
+
+
+@pytest.mark.slow
 def test_compiled_layer_step_trains_like_eager_and_may_change_on_resume(tmp_path):
     """`compile: true` pads rows to whole chunks and compiles the layer step: the same losses as
     eager; being an execution field, it may be switched off when resuming. (Weights are not

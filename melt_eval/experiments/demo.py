@@ -76,18 +76,21 @@ def default_jobs() -> int:
     return max(1, min(cores, 4))
 
 
-def run_demo(output: Path, quick: bool = False, progress: bool = True, seed: int = 0, jobs: int | None = None) -> dict:
+def run_demo(output: Path, quick: bool = False, progress: bool = True, seed: int = 0, jobs: int | None = None,
+             compile: bool = False) -> dict:
     import torch
 
     threads = torch.get_num_threads()
     try:
-        return _run_demo(output, quick, progress, seed, threads, jobs or default_jobs())
+        return _run_demo(output, quick, progress, seed, threads, jobs or default_jobs(), compile)
     finally:
         torch.set_num_threads(threads)  # the demo may have lowered it on a busy machine
 
 
-def _run_demo(output: Path, quick: bool, progress: bool, seed: int, threads: int, jobs: int) -> dict:
+def _run_demo(output: Path, quick: bool, progress: bool, seed: int, threads: int, jobs: int, compile: bool) -> dict:
     size = QUICK if quick else FULL
+    # compile: an execution field, so the runs keep their ids (and a cached run is reused either way)
+    melt_overrides = dict(size.melt or {}, compile=True) if compile else size.melt
     started = time.perf_counter()
     load_at_start = _load_average()
     runs, results = output / "runs", output / "results"
@@ -114,7 +117,7 @@ def _run_demo(output: Path, quick: bool, progress: bool, seed: int, threads: int
 
     say("training and evaluation", "[2/3] MELT and the ablations (gates, component ladder) trained, and every model "
         "evaluated on the test split as soon as it is trained (the KV-sharing rows need no training)")
-    variants = [v for a in ablations.ABLATIONS for v in ablations.plan(a, "tiny", teacher_made_by, size.melt, seed=seed)]
+    variants = [v for a in ablations.ABLATIONS for v in ablations.plan(a, "tiny", teacher_made_by, melt_overrides, seed=seed)]
     full = next(v for v in variants if v.ablation == "components" and v.name == "full")
     main = {"ouro-tiny": teacher, "melt-tiny": str(runs / full.train[-1].run_id)}
     evaluations = ablations.variant_evaluations(variants, runs, results)
@@ -155,7 +158,7 @@ def _run_demo(output: Path, quick: bool, progress: bool, seed: int, threads: int
 
     say("")
     summary = {
-        "quick": quick, "seed": seed, "wall_time_s": round(time.perf_counter() - started, 1), "stages_s": stages,
+        "quick": quick, "seed": seed, "compile": compile, "wall_time_s": round(time.perf_counter() - started, 1), "stages_s": stages,
         "load_average": {"start": load_at_start, "end": _load_average()},
         "teacher_pass@1": pass_at_1("ouro-tiny"), "melt_pass@1": pass_at_1("melt-tiny"), "loop_profile": profiles,
         "gate_profile": gate_profile,

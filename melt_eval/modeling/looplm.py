@@ -210,6 +210,7 @@ class LoopLMModel(nn.Module):
         self.early_exit_gate = nn.Linear(config.hidden_size, 1)
         self.rotary_emb = RotaryEmbedding(config)
         self.gradient_checkpointing = False  # re-run each (layer, loop) step in backward
+        self.token_step = None  # compiled `token_step.token_chunk`, set by compile_token_step
         self.attention_inputs, self.attention_residual_and_mlp = attention_inputs, attention_residual_and_mlp
 
     def run_chunk(
@@ -280,6 +281,15 @@ class LoopLMModel(nn.Module):
         compile_kwargs.setdefault("dynamic", False)
         self.attention_inputs = torch.compile(attention_inputs, **compile_kwargs)
         self.attention_residual_and_mlp = torch.compile(attention_residual_and_mlp, **compile_kwargs)
+
+    def compile_token_step(self, **compile_kwargs) -> None:
+        """Train MELT at chunk 1 with one torch.compile'd function per token (`token_step.py`): every loop
+        and layer of a token, its attention included, in a few kernels. Only for short sequences: it
+        keeps a padded copy of the earlier tokens' entries per token (O(L^2) memory)."""
+        from melt_eval.modeling.token_step import token_chunk
+
+        compile_kwargs.setdefault("dynamic", False)
+        self.token_step = torch.compile(token_chunk, **compile_kwargs)
 
     @staticmethod
     def _mask(c: int, past: int, key_mask: Tensor, device) -> Tensor:
@@ -384,11 +394,15 @@ class LoopLMForCausalLM(LoopLMPreTrainedModel):
         gates = [[[] for _ in range(T)] for _ in range(N)]
         first = min(first_chunk, L)
         starts = ([0] if first else []) + list(range(first, L, chunk_size))
-        for start, end in zip(starts, starts[1:] + [L]):
-            x, extra = self.model.run_chunk(
-                input_ids[:, start:end], position_ids[:, start:end], policy,
-                kv_sharing=kv_sharing, collect=output_loop_states or collect_attn,
-            )
+        from melt_eval.modeling import token_step
+
+        if token_step.applies(self, policy, chunk_size):  # compile_token_step: one compiled call per token
+            chunks = token_step.token_steps(self.model, input_ids, position_ids, first, policy)
+        else:
+            chunks = (self.model.run_chunk(input_ids[:, start:end], position_ids[:, start:end], policy,
+                                           kv_sharing=kv_sharing, collect=output_loop_states or collect_attn)
+                      for start, end in zip(starts, starts[1:] + [L]))
+        for x, extra in chunks:
             hidden.append(x)
             if output_loop_states or collect_attn:
                 for t in range(T):

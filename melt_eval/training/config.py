@@ -76,7 +76,9 @@ class Recipe:
     mixed_precision: str = "auto"  # auto: bf16 on GPU, fp32 on CPU
     gradient_checkpointing: bool = False
     # torch.compile each (layer, loop) step's pure parts (`compile_layer_step`); micro-batches are
-    # then padded to a multiple of chunk_size so every chunk has one shape (no recompiles)
+    # then padded to a multiple of chunk_size so every chunk has one shape (no recompiles). MELT at
+    # chunk 1 compiles each token's whole chunk instead (`compile_token_step`: 2.2x a step at the
+    # demo's size; it keeps O(L^2) memory, for short sequences)
     compile: bool = False  # in EXECUTION_FIELDS
     seed: int = 0
     # --- bookkeeping -----------------------------------------------------------------------
@@ -139,8 +141,9 @@ class Recipe:
         if not (isinstance(w, list) and all(isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x >= 0 for x in w)
                 and (not w or sum(w) > 0)):
             bad(f"loop_ce_weights must be [] or one number >= 0 per loop, not all 0, e.g. [0.25, 0.25, 0.25, 0.25]; got {w!r}")
-        if self.prompt_as_one_chunk and self.compile:
-            bad("compile pads micro-batches to whole chunks from the first token; set prompt_as_one_chunk: false to compile")
+        if self.prompt_as_one_chunk and self.compile and self.chunk_size > 1:  # at 0 (C = L) the prompt is in the one chunk
+            bad("compile pads micro-batches to whole chunks from the first token; set prompt_as_one_chunk: false "
+                "(or chunk_size: 1) to compile")
         if not self.data:
             bad("data must list at least one source (see the recipes in melt_eval/recipes/)")
         if self.target == "looplm" and (self.kd or self.align_beta or self.interpolation_steps):

@@ -463,10 +463,13 @@ def _train(recipe: Recipe, output: Path, *, resume: bool, progress: bool, stop_a
     student.train()
     if recipe.gradient_checkpointing:
         student.gradient_checkpointing_enable()
-    if recipe.compile:
+    per_token = recipe.compile and recipe.target == "melt" and recipe.chunk_size == 1
+    if per_token:  # one compiled function per token: every token has the same shapes
+        student.model.compile_token_step()
+    elif recipe.compile:
         student.model.compile_layer_step()
-    # a compiled step recompiles for every new chunk shape: pad rows to whole chunks
-    pad_multiple = recipe.chunk_size if recipe.compile and recipe.chunk_size else 1
+    # a compiled layer step recompiles for every new chunk shape: pad rows to whole chunks
+    pad_multiple = recipe.chunk_size if recipe.compile and recipe.chunk_size and not per_token else 1
     optimizer = torch.optim.AdamW(
         param_groups(student, recipe), betas=tuple(recipe.adam_betas), eps=recipe.adam_eps, weight_decay=recipe.weight_decay
     )
