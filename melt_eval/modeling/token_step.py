@@ -2,16 +2,16 @@
 
 At chunk 1 (exact MELT) a training forward runs each reply token through all T loops before the next
 one, and at small model sizes its time goes to dispatching T x N layer steps of small operations per
-token rather than to arithmetic (README, "One fused function per token"). Here a token's whole chunk,
-every loop and layer with its attention, is one pure function, which torch.compile turns into a few
-kernels, forward and backward.
+token rather than to arithmetic (README, "One compiled function per token": 0.43x the step time at the
+demo's size). Here a token's whole chunk, every loop and layer with its attention, is one pure function,
+which torch.compile turns into a few kernels, forward and backward.
 
 The rule is the one of `kv_cache.SharedKV` (alpha = 1) and `kv_cache.InterpolatedKV` (alpha < 1):
 at loop t a token attends to the earlier tokens' final MELT entries (mixed, at alpha < 1, with their
 loop-t base entries) and to its own loop-t entries. The earlier tokens' entries are passed in as
-[B, KVH, L, hd] tensors padded to the sequence length L (masked past the token), so every token has
-the same shapes and one compilation serves them all. They are ordinary autograd tensors, a copy per
-token: O(L^2) saved memory, fine for short sequences (the demo's L = 112) and not for long ones, where
+[B, KVH, L, hd] tensors padded to the sequence length L (masked past the token), and the function
+returns them with the token's own entries written in, so every token has the same shapes and one
+compilation serves them all. They are ordinary autograd tensors, a copy per token: O(L^2) saved memory, fine for short sequences (the demo's L = 112) and not for long ones, where
 the in-place store of `TrainingKVBuffer` is the path (`LoopLMForCausalLM.forward` takes this one only
 when asked, at chunk 1, without activation checkpointing).
 """
