@@ -229,21 +229,19 @@ def test_report_cli_writes_figures_to_plots_by_default(tmp_path, monkeypatch):
         assert (tmp_path / "plots" / name).stat().st_size > 1000
 
 
+def assert_one_line_error(capsys, args: list[str]) -> None:
+    """`melt-eval ARGS` as a user runs it: exit code 2 and one line on stderr saying what to do."""
+    from helpers import main_exit_code
+
+    code = main_exit_code(args)
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith("error: ") and err.count("\n") == 1, err
+
+
 def test_report_cli_bad_paths_are_one_line_errors(tmp_path, capsys):
-    import sys
-
-    from melt_eval.cli import main
-
     (tmp_path / "file").write_text("x")
     for args in (["--results", str(tmp_path / "typo")], ["--results", str(tmp_path), "--output", str(tmp_path / "file")]):
-        old, sys.argv = sys.argv, ["melt-eval", "report", *args]
-        try:
-            with pytest.raises(SystemExit) as exc:
-                main()
-        finally:
-            sys.argv = old
-        err = capsys.readouterr().err
-        assert exc.value.code == 2 and err.startswith("error: ") and err.count("\n") == 1
+        assert_one_line_error(capsys, ["report", *args])
     assert not (tmp_path / "report").exists()
 
 
@@ -330,10 +328,6 @@ def test_a_claim_resting_on_less_than_two_standard_errors_says_so_without_changi
 
 
 def test_claims_across_seeds_count_the_runs_each_claim_holds_in(tmp_path, capsys):
-    import sys
-
-    from melt_eval.cli import main
-
     # two demo output directories (results/ and demo.json); at seed 1 the scalar gate beats the element-wise one
     for seed, override in ((0, {}), (1, {"gates/scalar": 0.48})):
         _demo_like_results(tmp_path / f"demo-{seed}" / "results", **override)
@@ -369,14 +363,7 @@ def test_claims_across_seeds_count_the_runs_each_claim_holds_in(tmp_path, capsys
     # bad input: one line, exit 2, for a missing directory and for one without results
     (tmp_path / "empty").mkdir()
     for args in ([str(tmp_path / "typo")], [str(tmp_path / "empty")], [dirs[0], "--format", "csv"]):
-        old, sys.argv = sys.argv, ["melt-eval", "claims", *args]
-        try:
-            with pytest.raises(SystemExit) as exc:
-                main()
-        finally:
-            sys.argv = old
-        err = capsys.readouterr().err
-        assert exc.value.code == 2 and err.startswith("error: ") and err.count("\n") == 1, err
+        assert_one_line_error(capsys, ["claims", *args])
 
 
 def test_demo_report_names_the_models_that_produced_the_numbers(tmp_path):

@@ -54,6 +54,19 @@ def grads(model):
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
+def assert_reference_step(terms, student, twin, looplm, batch, C, alpha, align_beta, whole_prompt) -> None:
+    """The objective's loss and every gradient equal the concatenating reference's (run on `twin`)."""
+    terms.total.backward()
+    ref_total, ref_sft = reference_loss(twin, looplm, batch, C, alpha, align_beta, first_chunk=3 if whole_prompt else 0)
+    ref_total.backward()
+    assert abs(terms.total.item() - ref_total.item()) < 1e-6
+    assert abs(terms.parts["sft"] - ref_sft.item()) < 1e-6
+    got, want = grads(student), grads(twin)
+    assert set(got) == set(want) and len(got) > 10
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], atol=1e-6, rtol=0, msg=name)
+
+
 @pytest.mark.parametrize("C,whole_prompt", [(1, False), (3, False), (L, False), (1, True), (3, True)])
 @pytest.mark.parametrize("align_beta", [0.0, 0.1])
 @pytest.mark.parametrize("alpha", [0.0, 0.3, 1.0])
@@ -67,15 +80,7 @@ def test_gradients_equal_the_concatenating_reference(looplm, batch, gate, alpha,
     assert recipe.alpha(step) == alpha
     counts = dict(n_loss_tokens=float(batch["loss_mask"][:, 1:].sum()), n_tokens=float(batch["attention_mask"].sum()))
     terms, _ = forward_objective(student, looplm, batch, recipe, step, **counts)
-    terms.total.backward()
-    ref_total, ref_sft = reference_loss(twin, looplm, batch, C, alpha, align_beta, first_chunk=3 if whole_prompt else 0)
-    ref_total.backward()
-    assert abs(terms.total.item() - ref_total.item()) < 1e-6
-    assert abs(terms.parts["sft"] - ref_sft.item()) < 1e-6
-    got, want = grads(student), grads(twin)
-    assert set(got) == set(want) and len(got) > 10
-    for name in want:
-        torch.testing.assert_close(got[name], want[name], atol=1e-6, rtol=0, msg=name)
+    assert_reference_step(terms, student, twin, looplm, batch, C, alpha, align_beta, whole_prompt)
 
 
 @pytest.mark.parametrize("gate", ["elementwise", "mean"])
@@ -144,15 +149,7 @@ def test_one_function_per_token_gives_the_gradients_of_the_concatenating_referen
     counts = dict(n_loss_tokens=float(batch["loss_mask"][:, 1:].sum()), n_tokens=float(batch["attention_mask"].sum()))
     terms, _ = forward_objective(student, looplm, batch, recipe, step, **counts)
     assert len(calls) == L - (3 if whole_prompt else 1)  # the fused path ran: one call per token after the first chunk
-    terms.total.backward()
-    ref_total, ref_sft = reference_loss(twin, looplm, batch, 1, alpha, align_beta, first_chunk=3 if whole_prompt else 0)
-    ref_total.backward()
-    assert abs(terms.total.item() - ref_total.item()) < 1e-6
-    assert abs(terms.parts["sft"] - ref_sft.item()) < 1e-6
-    got, want = grads(student), grads(twin)
-    assert set(got) == set(want) and len(got) > 10
-    for name in want:
-        torch.testing.assert_close(got[name], want[name], atol=1e-6, rtol=0, msg=name)
+    assert_reference_step(terms, student, twin, looplm, batch, 1, alpha, align_beta, whole_prompt)
 
 
 @pytest.mark.slow
