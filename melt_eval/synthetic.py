@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import hashlib
 import random
+import re
 
 SPLITS = ("train", "test")
 TEST_FRACTION = 0.1  # share of the problem space reserved for the test split
@@ -100,6 +101,52 @@ def make_digit_sum_problem(rng: random.Random, num_steps: int = 5, max_value: in
     problem = f"{name} = {start}. {num_steps} step {name} + {step} sum."  # short, so the reply dominates
     solution = " ".join(worked) + f" The answer is \\boxed{{{value}}}."
     return {"problem": problem, "answer": str(value), "solution": solution}
+
+
+# A digit-sum reply read back, in the generator's own words (the f-strings above).
+_DIGIT_SUM_PROBLEM = re.compile(r"(\w) = (\d+)\. (\d+) step \w \+ (\d+) sum\.")
+_DIGIT_SUM_STEP = re.compile(r"\s*(\d+): (\w) = (\d+) \+ (\d+) = (\d+)\.")
+_DIGIT_SUM_ANSWER = re.compile(r"\s*The answer is \\boxed\{([^{}]*)\}")
+
+# The kinds of `first_mistake`, in the order a reply can make them.
+MISTAKES = {
+    "format": "not the worked form (a step numbered wrong, or text that is no step)",
+    "copy": "a step names the wrong variable, starts from the wrong value (not the previous result) or adds "
+            "the wrong constant",
+    "sum": "a step's digit sum is wrong",
+    "steps": "too few or too many steps",
+    "answer": "every step right, the boxed answer not the last result",
+}
+
+
+def first_mistake(item: dict, reply: str) -> tuple[int, str] | None:
+    """Where a digit-sum reply first departs from the worked solution: (step, kind), step counted from 1
+    (the boxed answer is step num_steps + 1), kind one of `MISTAKES`; None if every step and the answer
+    are right. Judged on the reply's own chain: a step is checked against the reply's previous result,
+    so one wrong sum is one mistake, not a cascade."""
+    problem = _DIGIT_SUM_PROBLEM.fullmatch(item["problem"])
+    if problem is None:
+        raise ValueError(f"not a digit-sum problem: {item['problem']!r}")
+    name, value, num_steps, step = problem[1], int(problem[2]), int(problem[3]), int(problem[4])
+    pos, done = 0, 0
+    while (m := _DIGIT_SUM_STEP.match(reply, pos)) is not None:
+        i = done + 1
+        if int(m[1]) != i:
+            return i, "format"
+        if i > num_steps:
+            return i, "steps"
+        x, y, z = int(m[3]), int(m[4]), int(m[5])
+        if m[2] != name or x != value or y != step:
+            return i, "copy"
+        if z != (x + y - 1) % 9 + 1:
+            return i, "sum"
+        value, pos, done = z, m.end(), i
+    answer = _DIGIT_SUM_ANSWER.match(reply, pos)
+    if answer is None:
+        return done + 1, "format"
+    if done != num_steps:
+        return done + 1, "steps"
+    return None if answer[1].strip() == str(value) else (done + 1, "answer")
 
 
 FORMS = {"variables": (make_problem, len(VARIABLES) - 1), "digits": (make_digit_problem, 9),

@@ -344,6 +344,9 @@ def test_claims_across_seeds_count_the_runs_each_claim_holds_in(tmp_path, capsys
     assert [r["holds"] for r in gate["runs"]] == [True, False]
     assert gate["runs"][1]["brief"] == "45.0; scalar 48.0 (-2.1 se)"  # stderr 0.01 each: 0.03 / 0.0141
     assert [c["holds_in"] for c in got["claims"]] == [2, 2, 2, 2, 1, 2]
+    # each gate alone: the scalar gate is ahead at one seed of two, the others at none
+    assert got["gate_head_to_head"]["scalar"] == {"elementwise_at_least_as_high": 1, "runs": 2}
+    assert got["gate_head_to_head"]["mean"] == {"elementwise_at_least_as_high": 2, "runs": 2}
 
     res = runner.invoke(app, ["claims", *dirs, "--format", "markdown"])
     assert res.exit_code == 0, res.output
@@ -354,6 +357,7 @@ def test_claims_across_seeds_count_the_runs_each_claim_holds_in(tmp_path, capsys
     ladder_row = next(line for line in lines if line.startswith("| Each other ladder"))
     assert "✓ 50.0 > 45.0 > 30.0 > 20.0" in ladder_row
     assert "| Claims that hold | 6 of 6 | 5 of 6 |" in res.output
+    assert "at least as high: scalar 1 of 2, ema-0.2 2 of 2, mean 2 of 2, last 2 of 2." in res.output
     assert "\\begin{tabular}" in runner.invoke(app, ["claims", *dirs, "--format", "latex"]).output
 
     # a results root without demo.json is labelled by its directory; runs the seeds cannot tell apart too
@@ -364,6 +368,42 @@ def test_claims_across_seeds_count_the_runs_each_claim_holds_in(tmp_path, capsys
     (tmp_path / "empty").mkdir()
     for args in ([str(tmp_path / "typo")], [str(tmp_path / "empty")], [dirs[0], "--format", "csv"]):
         assert_one_line_error(capsys, ["claims", *args])
+
+
+def test_mistakes_table_counts_where_each_wrong_reply_first_goes_wrong(tmp_path):
+    """From each evaluation's details.jsonl beside its results.json, against the synthetic test split: wrong
+    replies by first mistake, problems never right, right answers reached through a wrong step."""
+    from melt_eval import synthetic
+    from melt_eval.evaluation.tasks import SYNTHETIC_TEST
+
+    rows = synthetic.make_split("test", **SYNTHETIC_TEST)
+    _demo_like_results(tmp_path)
+
+    def details(rel: str, replies_by_index: dict[int, list[str]], gold=None) -> None:
+        lines = []
+        for i, replies in replies_by_index.items():
+            g = gold or rows[i]["answer"]
+            done = [{"text": t, "extracted": None, "correct": t.endswith(f"\\boxed{{{g}}}.")} for t in replies]
+            lines.append(json.dumps({"index": i, "id": None, "gold": g, "completions": done}))
+        (tmp_path / rel / "details.jsonl").write_text("\n".join(lines) + "\n")
+
+    right0, right1 = rows[0]["solution"], rows[1]["solution"]
+    boxed_wrong = right0.rsplit("\\boxed", 1)[0] + "\\boxed{0}."
+    lucky = "1 y y y The answer is \\boxed{" + rows[1]["answer"] + "}."
+    details("ablations/gates/elementwise/synthetic", {0: [right0, boxed_wrong], 1: [lucky, "garbage"]})
+    details("ablations/gates/mean/synthetic", {0: [boxed_wrong, boxed_wrong], 1: [right1, right1]})
+    details("ablations/gates/scalar/synthetic", {0: [right0]}, gold="no such answer")  # not this split: left out
+    table = next(t for t in build_tables(load_results(tmp_path)) if t.key == "mistakes")
+    assert table.heads == ["Wrong replies", "Problems never right", "format", "copy", "sum", "steps", "answer",
+                           "Right, flawed working"]
+    got = {r.stub[0]: [c.text for c in r.cells] for r in table.rows}
+    assert got == {"gates: elementwise": ["2 of 4", "0", "1", "0", "0", "0", "1", "1"],
+                   "gates: mean": ["2 of 4", "1", "0", "0", "0", "0", "2", "0"]}
+    write_report(tmp_path, tmp_path / "r", plots=False)
+    assert "### Where the wrong answers go wrong (synthetic task)" in (tmp_path / "r" / "report.md").read_text()
+    # results without details files (or of no synthetic task): no table
+    _demo_like_results(tmp_path / "plain")
+    assert "mistakes" not in {t.key for t in build_tables(load_results(tmp_path / "plain"))}
 
 
 def test_demo_report_names_the_models_that_produced_the_numbers(tmp_path):

@@ -81,6 +81,33 @@ def test_digit_sum_chains_are_correct_one_token_per_value_and_their_reply_domina
         assert len(tok(item["solution"])["input_ids"]) >= 3 * len(prompt), item
 
 
+def test_first_mistake_says_where_a_digit_sum_reply_departs_from_its_worked_solution():
+    """The report's mistake table rests on this: a right reply has no mistake; each kind of mistake is found at
+    its step; later steps are judged on the reply's own chain, so one wrong sum is one mistake."""
+    item = {"problem": "y = 7. 3 step y + 6 sum.", "answer": "7"}
+    right = "1: y = 7 + 6 = 4. 2: y = 4 + 6 = 1. 3: y = 1 + 6 = 7. The answer is \\boxed{7}."
+    assert synthetic.first_mistake(item, right) is None
+    cases = {
+        "1: y = 7 + 6 = 4. 2: y = 4 + 6 = 2. 3: y = 2 + 6 = 8. The answer is \\boxed{8}.": (2, "sum"),
+        "1: y = 7 + 6 = 4. 2: y = 4 + 6 = 1. 3: y = 4 + 6 = 1. The answer is \\boxed{1}.": (3, "copy"),
+        "1: y = 7 + 5 = 3. The answer is \\boxed{3}.": (1, "copy"),
+        "1: b = 7 + 6 = 4. 2: b = 4 + 6 = 1. 3: b = 1 + 6 = 7. The answer is \\boxed{7}.": (1, "copy"),
+        "1: y = 7 + 6 = 4. 2: y = 4 + 6 = 1. The answer is \\boxed{1}.": (3, "steps"),
+        right.replace(" The", " 4: y = 7 + 6 = 4. The"): (4, "steps"),
+        right.replace("\\boxed{7}", "\\boxed{1}"): (4, "answer"),
+        "1: y = 7 + 6 = 4. 3: y = 4 + 6 = 1. The answer is \\boxed{1}.": (2, "format"),
+        "1: y = 7 + 6 = 4. 2 y y y 3 3 3 3": (2, "format"),
+        "": (1, "format"),
+    }
+    for reply, expected in cases.items():
+        assert synthetic.first_mistake(item, reply) == expected, reply
+    # every solution the generator writes reads back as right
+    for row in synthetic.make_split("test", 90, seed=0, num_steps=(5, 7), form="digit-sum"):
+        assert synthetic.first_mistake(row, row["solution"]) is None
+    with pytest.raises(ValueError, match="not a digit-sum problem"):
+        synthetic.first_mistake({"problem": "a = 7. b = a + 5. What is b?"}, "The answer is \\boxed{12}.")
+
+
 def test_schemas_of_the_paper_datasets_become_chats():
     ace = {"category": "math", "source": "x", "input": "Q?", "output": "<think>r</think> A"}
     ot3 = {"difficulty": 5, "source": "y", "domain": "math",

@@ -40,6 +40,7 @@ LADDER = tuple(v for v in variants.LADDER if v != "no-chunk")
 GATES = variants.GATE_VARIANTS
 CACHE_TOLERANCE = 0.01  # relative: a measured cache ratio within 1% of 1/T is 1/T
 LE = "\u2264"
+GATE_CLAIM = "The element-wise gate is the best gate"
 NOISE = 2.0  # gaps under this many standard errors are named as within the noise (annotation only)
 
 
@@ -294,8 +295,7 @@ CHECKS = [
      f"- chunk-wise / full MELT < {COLLAPSE:.2f}", _chunk_collapse),
     ("Each other ladder component helps",
      "every removal lowers pass@1", _ladder),
-    ("The element-wise gate is the best gate",
-     "elementwise >= every other gate", _best_gate),
+    (GATE_CLAIM, "elementwise >= every other gate", _best_gate),
     ("Accuracy rises with T while MELT's cache stays constant",
      "MELT pass@1 never falls as T grows, cache equal at every T", _rises_with_loops),
 ]
@@ -387,6 +387,23 @@ def claims_of_runs(directories: list[Path]) -> list[RunClaims]:
     return [RunClaims(label, d, paper_claims(load_results(results_root(d)))) for label, d in zip(labels, directories)]
 
 
+def gate_head_to_head(runs: list[RunClaims]) -> dict[str, tuple[int, int]]:
+    """Element-wise against each other gate on its own: {gate: (runs where element-wise scores at least as
+    high, runs measuring both)}. The claim compares against the best of the others in each run, and when
+    two gates are as good as the element-wise one the best of them wins most runs by chance alone; the
+    pairs say which gate it is really behind."""
+    out: dict[str, tuple[int, int]] = {}
+    for r in runs:
+        scores = next((c.values.get("pass@1") or {} for c in r.claims if c.claim == GATE_CLAIM), {})
+        if "elementwise" not in scores:
+            continue
+        for g, v in scores.items():
+            if g != "elementwise":
+                won, measured = out.get(g, (0, 0))
+                out[g] = (won + (scores["elementwise"] >= v), measured + 1)
+    return out
+
+
 def across_json(runs: list[RunClaims]) -> dict:
     """For a script: each claim with its verdict and figures in every run, and how many runs it holds in."""
     claims = []
@@ -401,4 +418,6 @@ def across_json(runs: list[RunClaims]) -> dict:
         })
     return {"runs": [{"label": r.label, "path": str(r.path), "claims_hold": r.holding, "claims": len(r.claims)}
                      for r in runs],
-            "claims": claims}
+            "claims": claims,
+            "gate_head_to_head": {g: {"elementwise_at_least_as_high": won, "runs": n}
+                                  for g, (won, n) in gate_head_to_head(runs).items()}}

@@ -8,6 +8,7 @@ as printed, so ties that print alike are marked alike, as in the paper. `melt_ev
 from __future__ import annotations
 
 from melt_eval.registry import MODELS
+from melt_eval.report.mistakes import mistakes_table
 from melt_eval.report.memory import GB, MB, memory_table, paper_notes
 from melt_eval.report.paper import (
     ABLATION_BENCHMARKS,
@@ -355,6 +356,8 @@ def claims_table(rs: ResultSet) -> Table:
 def claims_across_table(runs) -> Table:
     """The claims in each of several runs (`claims.RunClaims`, e.g. the demo at several seeds): the verdict
     and its deciding figures per run, how many runs each holds in, and the check on the paper's numbers."""
+    from melt_eval.report.claims import gate_head_to_head
+
     first = runs[0].claims
     rows = []
     for i, c in enumerate(first):
@@ -366,6 +369,7 @@ def claims_across_table(runs) -> Table:
         rows.append(Row([c.claim], cells))
     rows.append(Row(["Claims that hold"], [Cell(text=f"{r.holding} of {len(r.claims)}") for r in runs] + [Cell(text=""), Cell(text="")],
                     rule_before=True))
+    pairs = gate_head_to_head(runs)
     return Table(
         key="claims-across",
         title=f"Paper claims across {len(runs)} runs",
@@ -377,7 +381,9 @@ def claims_across_table(runs) -> Table:
         notes=["Ladder: full MELT, then each component removed in turn (- align, - interp, - KD); > where the "
                "removal lowers pass@1. Gate: element-wise, then the best other gate; se: the lead in standard "
                "errors of the difference. Loops: pass@1 at T = 1, 2, ...",
-               "n/a: the results a claim needs are missing."],
+               "n/a: the results a claim needs are missing."]
+        + (["Element-wise against each gate alone, runs where it scores at least as high: "
+            + ", ".join(f"{g} {won} of {n}" for g, (won, n) in pairs.items()) + "."] if pairs else []),
     )
 
 
@@ -399,4 +405,5 @@ def build_tables(rs: ResultSet, compare: bool = False) -> list[Table]:
     if not rs.empty:
         tables.insert(0, claims_table(rs))
     other = other_tasks_table(rs)
-    return tables + ([other] if other else [])
+    mistakes = None if rs.empty else mistakes_table(rs)
+    return tables + [t for t in (other, mistakes) if t is not None]
