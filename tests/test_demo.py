@@ -12,7 +12,7 @@ from melt_eval.cli import app
 from melt_eval.training.config import load_recipe
 
 TABLES = ["### Paper claims", "### Gate ablation", "### Component removal", "### Untrained KV sharing",
-          "### Memory", "### Other tasks", "### Where the wrong answers go wrong (synthetic task)"]
+          "### Memory", "### Other tasks", "### Where the wrong answers go wrong (synthetic task"]
 
 
 @pytest.fixture(scope="module")

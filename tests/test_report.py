@@ -394,13 +394,13 @@ def test_mistakes_table_counts_where_each_wrong_reply_first_goes_wrong(tmp_path)
     details("ablations/gates/mean/synthetic", {0: [boxed_wrong, boxed_wrong], 1: [right1, right1]})
     details("ablations/gates/scalar/synthetic", {0: [right0]}, gold="no such answer")  # not this split: left out
     table = next(t for t in build_tables(load_results(tmp_path)) if t.key == "mistakes")
-    assert table.heads == ["Wrong replies", "Problems never right", "format", "copy", "sum", "steps", "answer",
-                           "Right, flawed working"]
+    assert table.title == "Where the wrong answers go wrong (synthetic task, 4 replies each)"
+    assert table.heads == ["Wrong", "Never right", "format", "copy", "sum", "steps", "answer", "Right, flawed"]
     got = {r.stub[0]: [c.text for c in r.cells] for r in table.rows}
-    assert got == {"gates: elementwise": ["2 of 4", "0", "1", "0", "0", "0", "1", "1"],
-                   "gates: mean": ["2 of 4", "1", "0", "0", "0", "0", "2", "0"]}
+    assert got == {"gates: elementwise": ["2", "0", "1", "0", "0", "0", "1", "1"],
+                   "gates: mean": ["2", "1", "0", "0", "0", "0", "2", "0"]}
     write_report(tmp_path, tmp_path / "r", plots=False)
-    assert "### Where the wrong answers go wrong (synthetic task)" in (tmp_path / "r" / "report.md").read_text()
+    assert "### Where the wrong answers go wrong (synthetic task, 4 replies each)" in (tmp_path / "r" / "report.md").read_text()
     # results without details files (or of no synthetic task): no table
     _demo_like_results(tmp_path / "plain")
     assert "mistakes" not in {t.key for t in build_tables(load_results(tmp_path / "plain"))}

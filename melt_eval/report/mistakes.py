@@ -84,16 +84,20 @@ def mistakes_table(rs: ResultSet) -> Table | None:
     if not counted:
         return None
     kinds = list(MISTAKES) + ([UNPLACED] if any(m.kinds[UNPLACED] for _, m in counted) else [])
-    table_rows = [Row([label], [Cell(text=f"{m.wrong:,} of {m.completions:,}"), Cell(text=f"{m.never_right:,}")]
+    sizes = {m.completions for _, m in counted}
+    same_size = len(sizes) == 1  # the usual case: the count goes in the title, not in a column of its own
+    table_rows = [Row([label], ([] if same_size else [Cell(text=f"{m.completions:,}")])
+                      + [Cell(text=f"{m.wrong:,}"), Cell(text=f"{m.never_right:,}")]
                       + [Cell(text=f"{m.kinds[k]:,}") for k in kinds] + [Cell(text=f"{m.right_but_flawed:,}")])
                   for label, m in counted]
     return Table(
         key="mistakes",
-        title="Where the wrong answers go wrong (synthetic task)",
-        caption="Each wrong reply counted once, by its first mistake; problems none of whose samples is right; "
-        "and right answers reached through a wrong step.",
+        title="Where the wrong answers go wrong (synthetic task"
+        + (f", {next(iter(sizes)):,} replies each)" if same_size else ")"),
+        caption="Wrong replies (of problems x samples), each counted once by its first mistake; problems "
+        "none of whose samples is right (never right); right answers reached through a wrong step (right, flawed).",
         stub_heads=["Model"],
-        heads=["Wrong replies", "Problems never right"] + kinds + ["Right, flawed working"],
+        heads=([] if same_size else ["Replies"]) + ["Wrong", "Never right"] + kinds + ["Right, flawed"],
         rows=table_rows,
         notes=[f"{k}: {text}." for k, text in MISTAKES.items()]
         + ([f"{UNPLACED}: wrong by the task's metric, no mistake found in the reply."] if UNPLACED in kinds else [])
