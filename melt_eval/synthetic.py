@@ -83,6 +83,11 @@ def make_digit_problem(rng: random.Random, num_steps: int = 6, max_value: int = 
 DIGIT_SUM_NAMES = "xyzabc"  # names only vary the text, so the problem space is large enough for a test split
 
 
+def digit_sum(a: int, b: int) -> int:
+    """The digit sum of a + b for digits 1..9 (a sum of at most 17): one digit 1..9."""
+    return (a + b - 1) % 9 + 1
+
+
 def make_digit_sum_problem(rng: random.Random, num_steps: int = 5, max_value: int = 8) -> dict:
     """One digit-sum chain: a start in 1..9, then `num_steps` times adding the same constant in
     1..min(max_value, 8) and keeping the digit sum (the sum modulo 9, 9 for 0), so every value is one
@@ -95,7 +100,7 @@ def make_digit_sum_problem(rng: random.Random, num_steps: int = 5, max_value: in
     name, start, step = rng.choice(DIGIT_SUM_NAMES), rng.randint(1, 9), rng.randint(1, min(max_value, 8))
     value, worked = start, []
     for i in range(1, num_steps + 1):
-        new = (value + step - 1) % 9 + 1  # the digit sum of value + step (at most 17)
+        new = digit_sum(value, step)
         worked.append(f"{i}: {name} = {value} + {step} = {new}.")
         value = new
     problem = f"{name} = {start}. {num_steps} step {name} + {step} sum."  # short, so the reply dominates
@@ -138,7 +143,7 @@ def first_mistake(item: dict, reply: str) -> tuple[int, str] | None:
         x, y, z = int(m[3]), int(m[4]), int(m[5])
         if m[2] != name or x != value or y != step:
             return i, "copy"
-        if z != (x + y - 1) % 9 + 1:
+        if z != digit_sum(x, y):
             return i, "sum"
         value, pos, done = z, m.end(), i
     answer = _DIGIT_SUM_ANSWER.match(reply, pos)
