@@ -57,6 +57,16 @@ def test_quick_demo_writes_every_table_and_figure(quick_demo):
     assert set(gates) == {"elementwise", "scalar", "ema-0.2", "mean", "last", "melt-tiny"}
     assert gates["mean"] == [0.5, 0.6667, 0.75] and gates["last"] == [0.0] * 3 and gates["ema-0.2"] == [0.2] * 3
     assert all(len(gates[g]) == 3 and all(0 < z < 1 for z in gates[g]) for g in ("elementwise", "scalar", "melt-tiny"))
+    # where the wrong replies go wrong, as report/mistakes.json: each model's wrong replies are those its
+    # pass@1 counts (every problem has the same number of samples), each counted once by its first mistake
+    mistakes = json.loads((quick_demo / "report" / "mistakes.json").read_text())
+    by_model = {m["model"]: m for m in mistakes}
+    assert {"ouro-tiny", "melt-tiny", "gates: elementwise", "kv-sharing: last"} <= set(by_model)
+    for name in ("ouro-tiny", "melt-tiny"):
+        m = by_model[name]
+        passed = json.loads((quick_demo / "results" / name / "synthetic" / "results.json").read_text())
+        assert m["wrong"] == round(m["replies"] * (1 - passed["metrics"]["pass@1"]["value"]))
+    assert all(m["wrong"] == sum(m["first_mistake"].values()) and m["replies"] > 0 for m in mistakes)
     # the claims table, computed from the results, as report/claims.json too
     claims = json.loads((quick_demo / "report" / "claims.json").read_text())
     assert len(claims) == 6 and all({"claim", "measured", "threshold", "holds"} <= set(c) for c in claims)

@@ -136,6 +136,7 @@ def _run_demo(output: Path, quick: bool, progress: bool, seed: int, threads: int
     from melt_eval.experiments.loop_profile import SEQUENCES, checkpoint_profile, summary_line
     from melt_eval.files import write_json_atomic
     from melt_eval.report.claims import paper_claims
+    from melt_eval.report.mistakes import mistakes_json
     from melt_eval.report.render import print_tables, render_markdown_report
     from melt_eval.report.results import load_results
     from melt_eval.report.tables import build_tables
@@ -145,8 +146,10 @@ def _run_demo(output: Path, quick: bool, progress: bool, seed: int, threads: int
     report = write_report(results, output / "report", plot_task=TASK)
     paper_tables = [t for t in build_tables(load_results(output / "no-results")) if t.key != "main"]
     (output / "report" / "paper_tables.md").write_text(render_markdown_report(paper_tables))
-    claims = paper_claims(load_results(results))
+    measured = load_results(results)
+    claims = paper_claims(measured)
     write_json_atomic(output / "report" / "claims.json", [c.to_json() for c in claims])
+    write_json_atomic(output / "report" / "mistakes.json", mistakes_json(measured))
     # where each model does its work, loop by loop: the README traces the conversion's seed dependence to it
     profiles = {name: checkpoint_profile(model) for name, model in main.items()}
     # what each gate learned (z at loops 2..T at the end of training), to read beside the gate claim
@@ -163,7 +166,7 @@ def _run_demo(output: Path, quick: bool, progress: bool, seed: int, threads: int
         "teacher_pass@1": pass_at_1("ouro-tiny"), "melt_pass@1": pass_at_1("melt-tiny"), "loop_profile": profiles,
         "gate_profile": gate_profile,
         "claims_hold": sum(c.holds is True for c in claims), "claims": len(claims),
-        "files": [str(f) for f in report["files"]] + [str(output / "report" / f) for f in ("paper_tables.md", "claims.json")],
+        "files": [str(f) for f in report["files"]] + [str(output / "report" / f) for f in ("paper_tables.md", "claims.json", "mistakes.json")],
         "previous_runs": _previous_runs(output / "demo.json"),
     }
     write_json_atomic(output / "demo.json", summary)

@@ -70,17 +70,30 @@ def _entries(rs: ResultSet) -> list[tuple[str, Result]]:
     return out
 
 
-def mistakes_table(rs: ResultSet) -> Table | None:
-    """The first mistake of every wrong reply, per model; None where no result on the task has details."""
+def counted_mistakes(rs: ResultSet) -> list[tuple[str, Mistakes]]:
+    """(label, tally) of every evaluation on the task with a details file of the built-in test split."""
     from melt_eval.evaluation.data import load_rows
     from melt_eval.evaluation.tasks import SPECS
-    from melt_eval.synthetic import MISTAKES
 
     entries = _entries(rs)
     if not entries:
-        return None
+        return []
     rows = load_rows(SPECS[TASK], None, None)
-    counted = [(label, m) for label, r in entries if (m := count_mistakes(r, rows)) is not None]
+    return [(label, m) for label, r in entries if (m := count_mistakes(r, rows)) is not None]
+
+
+def mistakes_json(rs: ResultSet) -> list[dict]:
+    """For a script (the demo's report/mistakes.json): one object per evaluation, the table's figures."""
+    return [{"model": label, "replies": m.completions, "wrong": m.wrong, "never_right": m.never_right,
+             "first_mistake": dict(m.kinds), "right_but_flawed": m.right_but_flawed}
+            for label, m in counted_mistakes(rs)]
+
+
+def mistakes_table(rs: ResultSet) -> Table | None:
+    """The first mistake of every wrong reply, per model; None where no result on the task has details."""
+    from melt_eval.synthetic import MISTAKES
+
+    counted = counted_mistakes(rs)
     if not counted:
         return None
     kinds = list(MISTAKES) + ([UNPLACED] if any(m.kinds[UNPLACED] for _, m in counted) else [])
