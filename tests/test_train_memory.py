@@ -54,6 +54,11 @@ def grads(model):
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
+def loss_counts(batch) -> dict[str, float]:
+    """The token counts `forward_objective` normalises by, for one micro-batch that is the whole batch."""
+    return dict(n_loss_tokens=float(batch["loss_mask"][:, 1:].sum()), n_tokens=float(batch["attention_mask"].sum()))
+
+
 def assert_reference_step(terms, student, twin, looplm, batch, C, alpha, align_beta, whole_prompt) -> None:
     """The objective's loss and every gradient equal the concatenating reference's (run on `twin`)."""
     terms.total.backward()
@@ -78,7 +83,7 @@ def test_gradients_equal_the_concatenating_reference(looplm, batch, gate, alpha,
     twin = copy.deepcopy(student)
     recipe, step = recipe_at(alpha, C, align_beta, whole_prompt)
     assert recipe.alpha(step) == alpha
-    counts = dict(n_loss_tokens=float(batch["loss_mask"][:, 1:].sum()), n_tokens=float(batch["attention_mask"].sum()))
+    counts = loss_counts(batch)
     terms, _ = forward_objective(student, looplm, batch, recipe, step, **counts)
     assert_reference_step(terms, student, twin, looplm, batch, C, alpha, align_beta, whole_prompt)
 
@@ -86,7 +91,7 @@ def test_gradients_equal_the_concatenating_reference(looplm, batch, gate, alpha,
 @pytest.mark.parametrize("gate", ["elementwise", "mean"])
 def test_activation_checkpointing_keeps_the_gradients(looplm, batch, gate):
     recipe, step = recipe_at(0.3, 3, 0.1)
-    counts = dict(n_loss_tokens=float(batch["loss_mask"][:, 1:].sum()), n_tokens=float(batch["attention_mask"].sum()))
+    counts = loss_counts(batch)
     results = []
     for checkpointing in (False, True):
         student = MeltForCausalLM.from_looplm(looplm, gate=gate, seed=1).train()
@@ -104,7 +109,7 @@ def test_compiled_layer_step_keeps_the_gradients(looplm, batch):
     """torch.compile of the per-(layer, loop) step (recipe `compile: true`), inside activation
     checkpointing, at alpha < 1 (base and MELT entries) with a ragged last chunk: same loss and gradients."""
     recipe, step = recipe_at(0.3, 3, 0.1)
-    counts = dict(n_loss_tokens=float(batch["loss_mask"][:, 1:].sum()), n_tokens=float(batch["attention_mask"].sum()))
+    counts = loss_counts(batch)
     from torch._dynamo.utils import counters
 
     graphs_before = counters["stats"]["unique_graphs"]
@@ -146,7 +151,7 @@ def test_one_function_per_token_gives_the_gradients_of_the_concatenating_referen
 
     student.model.token_step = counted
     recipe, step = recipe_at(alpha, 1, align_beta, whole_prompt)
-    counts = dict(n_loss_tokens=float(batch["loss_mask"][:, 1:].sum()), n_tokens=float(batch["attention_mask"].sum()))
+    counts = loss_counts(batch)
     terms, _ = forward_objective(student, looplm, batch, recipe, step, **counts)
     assert len(calls) == L - (3 if whole_prompt else 1)  # the fused path ran: one call per token after the first chunk
     assert_reference_step(terms, student, twin, looplm, batch, 1, alpha, align_beta, whole_prompt)
@@ -157,7 +162,7 @@ def test_compiled_token_step_keeps_the_gradients(looplm, batch):
     """compile_token_step (recipe `compile: true` at chunk 1) at alpha < 1 with the alignment term, the prompt as
     one chunk: same loss and gradients as the eager store path, and one compilation serves every token."""
     recipe, step = recipe_at(0.3, 1, 0.1, whole_prompt=True)
-    counts = dict(n_loss_tokens=float(batch["loss_mask"][:, 1:].sum()), n_tokens=float(batch["attention_mask"].sum()))
+    counts = loss_counts(batch)
     from torch._dynamo.utils import counters
 
     results = []
