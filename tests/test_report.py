@@ -327,6 +327,52 @@ def test_a_claim_resting_on_less_than_two_standard_errors_says_so_without_changi
     assert gates.holds and gates.values["lead_in_stderr"] is None and "standard errors" not in gates.measured
 
 
+def _details(root: Path, variant: str, scores: list[float], golds: list[str] | None = None) -> None:
+    """An evaluation's details.jsonl: one row per problem with the pass@1 LightEval gave it."""
+    golds = golds or [str(i % 10) for i in range(len(scores))]
+    rows = [{"index": i, "gold": g, "completions": [], "metrics": {"pass@1": s, "pass@10": float(s > 0)}}
+            for i, (s, g) in enumerate(zip(scores, golds))]
+    path = root / "ablations" / variant / "synthetic" / "details.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def test_a_gap_between_two_models_is_measured_against_its_paired_error_where_both_kept_their_problems(tmp_path):
+    from melt_eval.report.claims import paper_claims
+
+    # 20 problems. The element-wise gate solves 8 and half of 2 more (0.45); the scalar gate the same 8 and 0 of
+    # the 2 (0.40). The results' own errors (0.01 each, as _result writes them) combined as if independent make
+    # the 5-point lead 3.5 standard errors; the per-problem differences (0.5 on 2 problems of 20) make it 1.5.
+    elementwise = [1.0] * 8 + [0.5] * 2 + [0.0] * 10
+    scalar = [1.0] * 8 + [0.0] * 12
+    _demo_like_results(tmp_path, **{"gates/elementwise": 0.45, "gates/scalar": 0.40})
+    _details(tmp_path, "gates/elementwise", elementwise)
+    _details(tmp_path, "gates/scalar", scalar)
+    diffs = [a - b for a, b in zip(elementwise, scalar)]
+    paired = (sum((d - 0.05) ** 2 for d in diffs) / 19 / 20) ** 0.5
+    gates = paper_claims(load_results(tmp_path))[4]
+    assert gates.values["lead_stderr_method"] == "paired"
+    assert gates.values["lead_in_stderr"] == pytest.approx(0.05 / paired) == pytest.approx(1.45, abs=0.01)
+    assert gates.holds and gates.measured.endswith("; within 2 standard errors: elementwise - scalar +5.0 (1.5 se)")
+
+    # details of other problems, or of another evaluation (their scores do not average to its result), are not
+    # paired: the results' own errors are combined as if independent (0.01 each here)
+    _details(tmp_path, "gates/scalar", scalar, golds=["x"] * 20)
+    gates = paper_claims(load_results(tmp_path))[4]
+    assert gates.values["lead_stderr_method"] == "independent"
+    assert gates.values["lead_in_stderr"] == pytest.approx(0.05 / (2 * 0.01 ** 2) ** 0.5)
+    _details(tmp_path, "gates/scalar", [1.0] * 10 + [0.0] * 10)  # averages 0.50, the result says 0.40
+    assert paper_claims(load_results(tmp_path))[4].values["lead_stderr_method"] == "independent"
+    # the ladder's steps are paired the same way, each step on its own
+    _details(tmp_path, "gates/scalar", scalar)
+    _details(tmp_path, "components/no-interp", [1.0] * 6 + [0.0] * 14)  # 0.30, the no-interp row
+    _details(tmp_path, "components/no-kd", [1.0] * 4 + [0.0] * 16)  # 0.20
+    ladder = paper_claims(load_results(tmp_path))[3]
+    assert ladder.values["drops_stderr_method"] == {"-align": "independent", "-interp": "independent", "-kd": "paired"}
+    kd_diffs = [1.0] * 2 + [0.0] * 18  # no-interp minus no-kd
+    kd_se = (sum((d - 0.1) ** 2 for d in kd_diffs) / 19 / 20) ** 0.5
+    assert ladder.values["drops_in_stderr"]["-kd"] == pytest.approx(0.1 / kd_se)
+
+
 def test_claims_across_seeds_count_the_runs_each_claim_holds_in(tmp_path, capsys):
     # two demo output directories (results/ and demo.json); at seed 1 the scalar gate beats the element-wise one
     for seed, override in ((0, {}), (1, {"gates/scalar": 0.48})):

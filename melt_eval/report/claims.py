@@ -13,11 +13,14 @@ Thresholds are fixed here, once, from the paper's wording; they are not tuned to
   6. accuracy rises with T while MELT's cache stays constant: MELT's pass@1 never falls as T grows,
      is higher at the largest T than at T = 1, and the cache its runs measured is the same at every T.
 
-The comparisons (the ladder's steps, the gates) also give each gap in standard errors, from the
-results' per-problem standard errors, and name the ones under `NOISE` of them: with 100 problems a
-point or two is within the noise, and a reader should see when a ✓ or ✗ rests on it. The errors are
-taken as independent (the models answer the same problems, so this overstates the noise, never hides
-it). This annotates; it never changes `holds`.
+The comparisons (the ladder's steps, the gates) also give each gap in standard errors of the
+difference, and name the ones under `NOISE` of them: with 100 problems a point or two is within the
+noise, and a reader should see when a ✓ or ✗ rests on it. The two models answer the same problems, so
+the error of a gap is the paired one, from the per-problem differences in each evaluation's
+details.jsonl (a problem both find hard counts once, not twice); only where either evaluation lacks its
+per-problem scores are the results' own standard errors combined as if independent, which misstates it
+by however much the two models' per-problem scores are correlated. Each gap records which it used. This
+annotates; it never changes `holds`.
 
 `claims_of_runs` checks the same claims in several runs (the demo at several seeds) for one table across
 them (`melt-eval claims DIR...`): how many runs each claim holds in is what says whether it is robust.
@@ -26,6 +29,7 @@ them (`melt-eval claims DIR...`): how many runs each claim holds in is what says
 from __future__ import annotations
 
 import json
+import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -122,16 +126,50 @@ def _stderr_over_shared(entries: dict[str, dict[str, Result]], shared: list[str]
     return out
 
 
-def _gaps_in_stderr(pairs: dict[str, tuple[str, str]], means: dict[str, float],
-                    stderr: dict[str, float | None]) -> dict[str, float | None]:
-    """For each named pair (a, b): (mean a - mean b) / the standard error of that difference; None where
-    an error is missing or both are 0 (two scores at the ceiling or the floor)."""
-    out = {}
+def problem_scores(result: Result) -> dict[tuple, float] | None:
+    """The per-problem scores LightEval averaged into the result's first score, from the details.jsonl beside
+    its results.json: {(index, gold): score}. None where there is no such file, a row lacks the score, or
+    the scores do not average to the result's (details of another evaluation)."""
+    name = "pass@1" if "pass@1" in result.metrics else "accuracy"
+    value = first_score(result)
+    try:
+        lines = (result.path.parent / "details.jsonl").read_text().splitlines()
+        rows = [json.loads(line) for line in lines if line.strip()]
+        scores = {(r["index"] if r["index"] is not None else i, str(r["gold"])): float(r["metrics"][name])
+                  for i, r in enumerate(rows)}
+    except (OSError, ValueError, TypeError, KeyError):
+        return None
+    if not scores or len(scores) != len(rows) or value is None or abs(sum(scores.values()) / len(scores) - value) > 1e-6:
+        return None
+    return scores
+
+
+def _paired_stderr(a: dict[str, Result], b: dict[str, Result], shared: list[str]) -> float | None:
+    """The standard error of (mean a - mean b) over `shared` tasks from the per-problem differences; None
+    unless both evaluations of every task kept their scores for the same problems (two or more)."""
+    variance = 0.0
+    for task in shared:
+        sa, sb = problem_scores(a[task]), problem_scores(b[task])
+        if sa is None or sb is None or sa.keys() != sb.keys() or len(sa) < 2:
+            return None
+        variance += statistics.variance([sa[k] - sb[k] for k in sa]) / len(sa)
+    return variance ** 0.5 / len(shared)
+
+
+def _gaps_in_stderr(pairs: dict[str, tuple[str, str]], means: dict[str, float], entries: dict[str, dict[str, Result]],
+                    shared: list[str], stderr: dict[str, float | None]) -> tuple[dict[str, float | None], dict[str, str]]:
+    """For each named pair (a, b): (mean a - mean b) / the standard error of that difference, paired where
+    both kept per-problem scores, else from `stderr` as if independent; None where an error is missing or
+    is 0 (two scores at the ceiling or the floor). Also which error each gap used: "paired" or "independent"."""
+    gaps, methods = {}, {}
     for name, (a, b) in pairs.items():
-        ea, eb = stderr.get(a), stderr.get(b)
-        se = None if ea is None or eb is None else (ea * ea + eb * eb) ** 0.5
-        out[name] = (means[a] - means[b]) / se if se else None
-    return out
+        se = _paired_stderr(entries[a], entries[b], shared)
+        methods[name] = "paired" if se is not None else "independent"
+        if se is None:
+            ea, eb = stderr.get(a), stderr.get(b)
+            se = None if ea is None or eb is None else (ea * ea + eb * eb) ** 0.5
+        gaps[name] = (means[a] - means[b]) / se if se else None
+    return gaps, methods
 
 
 def _within_noise(gaps: dict[str, float | None], changes: dict[str, float]) -> str:
@@ -229,8 +267,9 @@ def _ladder(rs: ResultSet, claim: Claim) -> None:
     steps = {f"-{b[3:]}": (a, b) for a, b in zip(LADDER, LADDER[1:])}
     drops = {k: means[a] - means[b] for k, (a, b) in steps.items()}
     stderr = _stderr_over_shared(entries, shared)
-    gaps = _gaps_in_stderr(steps, means, stderr)
-    claim.values = {"pass@1": means, "drops": drops, "stderr": stderr, "drops_in_stderr": gaps}
+    gaps, methods = _gaps_in_stderr(steps, means, entries, shared, stderr)
+    claim.values = {"pass@1": means, "drops": drops, "stderr": stderr, "drops_in_stderr": gaps,
+                    "drops_stderr_method": methods}
     claim.measured = ", ".join(f"{v} {_pct(means[v])}" for v in LADDER)
     claim.brief = _pct(means[LADDER[0]]) + "".join(
         f" {'>' if drops[k] > 0 else LE} {_pct(means[b])}" for k, (_, b) in steps.items())
@@ -253,8 +292,8 @@ def _best_gate(rs: ResultSet, claim: Claim) -> None:
     best_other = max((g for g in means if g != "elementwise"), key=means.get)
     stderr = _stderr_over_shared(entries, shared)
     lead = f"elementwise - {best_other}"
-    gaps = _gaps_in_stderr({lead: ("elementwise", best_other)}, means, stderr)
-    claim.values = {"pass@1": means, "stderr": stderr, "lead_in_stderr": gaps[lead]}
+    gaps, methods = _gaps_in_stderr({lead: ("elementwise", best_other)}, means, entries, shared, stderr)
+    claim.values = {"pass@1": means, "stderr": stderr, "lead_in_stderr": gaps[lead], "lead_stderr_method": methods[lead]}
     claim.measured = f"elementwise {_pct(means['elementwise'])}; best other: {best_other} {_pct(means[best_other])}"
     claim.brief = f"{_pct(means['elementwise'])}; {best_other} {_pct(means[best_other])}" + \
         ("" if gaps[lead] is None else f" ({gaps[lead]:+.1f} se)")
