@@ -390,9 +390,12 @@ def test_claims_across_seeds_count_the_runs_each_claim_holds_in(tmp_path, capsys
     assert [r["holds"] for r in gate["runs"]] == [True, False]
     assert gate["runs"][1]["brief"] == "45.0; scalar 48.0 (-2.1 se)"  # stderr 0.01 each: 0.03 / 0.0141
     assert [c["holds_in"] for c in got["claims"]] == [2, 2, 2, 2, 1, 2]
-    # each gate alone: the scalar gate is ahead at one seed of two, the others at none
-    assert got["gate_head_to_head"]["scalar"] == {"elementwise_at_least_as_high": 1, "runs": 2}
-    assert got["gate_head_to_head"]["mean"] == {"elementwise_at_least_as_high": 2, "runs": 2}
+    # each gate alone: the scalar gate is ahead at one seed of two, the others at none; the mean gap over the
+    # seeds (+5 and -3 points against the scalar gate) with its standard error over them
+    scalar, mean = got["gate_head_to_head"]["scalar"], got["gate_head_to_head"]["mean"]
+    assert (scalar["elementwise_at_least_as_high"], scalar["runs"]) == (1, 2)
+    assert scalar["mean_gap"] == pytest.approx(0.01) and scalar["gap_stderr"] == pytest.approx(0.04)
+    assert (mean["elementwise_at_least_as_high"], mean["runs"], mean["mean_gap"]) == (2, 2, pytest.approx(0.10))
 
     res = runner.invoke(app, ["claims", *dirs, "--format", "markdown"])
     assert res.exit_code == 0, res.output
@@ -403,7 +406,8 @@ def test_claims_across_seeds_count_the_runs_each_claim_holds_in(tmp_path, capsys
     ladder_row = next(line for line in lines if line.startswith("| Each other ladder"))
     assert "✓ 50.0 > 45.0 > 30.0 > 20.0" in ladder_row
     assert "| Claims that hold | 6 of 6 | 5 of 6 |" in res.output
-    assert "at least as high: scalar 1 of 2, ema-0.2 2 of 2, mean 2 of 2, last 2 of 2." in res.output
+    assert ("(points, ± its standard error over the runs): scalar 1 of 2 (+1.0 ± 4.0), ema-0.2 2 of 2 (+15.0 ± 0.0), "
+            "mean 2 of 2 (+10.0 ± 0.0), last 2 of 2 (+15.0 ± 0.0).") in res.output.replace("\n", " ")
     assert "\\begin{tabular}" in runner.invoke(app, ["claims", *dirs, "--format", "latex"]).output
 
     # a results root without demo.json is labelled by its directory; runs the seeds cannot tell apart too

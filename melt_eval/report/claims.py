@@ -426,21 +426,32 @@ def claims_of_runs(directories: list[Path]) -> list[RunClaims]:
     return [RunClaims(label, d, paper_claims(load_results(results_root(d)))) for label, d in zip(labels, directories)]
 
 
-def gate_head_to_head(runs: list[RunClaims]) -> dict[str, tuple[int, int]]:
-    """Element-wise against each other gate on its own: {gate: (runs where element-wise scores at least as
-    high, runs measuring both)}. The claim compares against the best of the others in each run, and when
-    two gates are as good as the element-wise one the best of them wins most runs by chance alone; the
-    pairs say which gate it is really behind."""
-    out: dict[str, tuple[int, int]] = {}
+@dataclass
+class HeadToHead:
+    """The element-wise gate against one other gate across runs."""
+
+    at_least_as_high: int  # runs where the element-wise gate scores at least as high
+    runs: int  # runs measuring both
+    mean_gap: float  # element-wise minus the other gate, pass@1, mean over the runs
+    gap_stderr: float | None  # the standard error of that mean from its spread over the runs (None with one run)
+
+
+def gate_head_to_head(runs: list[RunClaims]) -> dict[str, HeadToHead]:
+    """Element-wise against each other gate on its own, across runs. The claim compares against the best of
+    the others in each run, and when two gates are as good as the element-wise one the best of them wins
+    most runs by chance alone; the pairs say which gate it is really behind, and the mean gap with its
+    spread over the runs (seeds) says by how much, beyond the noise of any one run."""
+    gaps: dict[str, list[float]] = {}
     for r in runs:
         scores = next((c.values.get("pass@1") or {} for c in r.claims if c.claim == GATE_CLAIM), {})
         if "elementwise" not in scores:
             continue
         for g, v in scores.items():
             if g != "elementwise":
-                won, measured = out.get(g, (0, 0))
-                out[g] = (won + (scores["elementwise"] >= v), measured + 1)
-    return out
+                gaps.setdefault(g, []).append(scores["elementwise"] - v)
+    return {g: HeadToHead(sum(d >= 0 for d in ds), len(ds), statistics.fmean(ds),
+                          statistics.stdev(ds) / len(ds) ** 0.5 if len(ds) > 1 else None)
+            for g, ds in gaps.items()}
 
 
 def across_json(runs: list[RunClaims]) -> dict:
@@ -458,5 +469,6 @@ def across_json(runs: list[RunClaims]) -> dict:
     return {"runs": [{"label": r.label, "path": str(r.path), "claims_hold": r.holding, "claims": len(r.claims)}
                      for r in runs],
             "claims": claims,
-            "gate_head_to_head": {g: {"elementwise_at_least_as_high": won, "runs": n}
-                                  for g, (won, n) in gate_head_to_head(runs).items()}}
+            "gate_head_to_head": {g: {"elementwise_at_least_as_high": h.at_least_as_high, "runs": h.runs,
+                                      "mean_gap": h.mean_gap, "gap_stderr": h.gap_stderr}
+                                  for g, h in gate_head_to_head(runs).items()}}

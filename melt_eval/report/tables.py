@@ -380,10 +380,14 @@ def claims_across_table(runs) -> Table:
         rows=rows,
         notes=["Ladder: full MELT, then each component removed in turn (- align, - interp, - KD); > where the "
                "removal lowers pass@1. Gate: element-wise, then the best other gate; se: the lead in standard "
-               "errors of the difference. Loops: pass@1 at T = 1, 2, ...",
+               "errors of the difference (paired over the problems where both evaluations kept them). "
+               "Loops: pass@1 at T = 1, 2, ...",
                "n/a: the results a claim needs are missing."]
-        + (["Element-wise against each gate alone, runs where it scores at least as high: "
-            + ", ".join(f"{g} {won} of {n}" for g, (won, n) in pairs.items()) + "."] if pairs else []),
+        + (["Element-wise against each gate alone, runs where it scores at least as high, and the mean of "
+            "element-wise minus that gate over the runs (points, ± its standard error over the runs): "
+            + ", ".join(f"{g} {h.at_least_as_high} of {h.runs} ({100 * h.mean_gap + 0.0:+.1f}"
+                        + ("" if h.gap_stderr is None else f" ± {100 * h.gap_stderr:.1f}") + ")"
+                        for g, h in pairs.items()) + "."] if pairs else []),
     )
 
 
