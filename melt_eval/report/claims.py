@@ -144,16 +144,16 @@ def problem_scores(result: Result) -> dict[tuple, float] | None:
     return scores
 
 
-def _paired_stderr(a: dict[str, Result], b: dict[str, Result], shared: list[str]) -> float | None:
-    """The standard error of (mean a - mean b) over `shared` tasks from the per-problem differences; None
-    unless both evaluations of every task kept their scores for the same problems (two or more)."""
+def _paired_stderr(a: dict[str, dict | None], b: dict[str, dict | None]) -> float | None:
+    """The standard error of (mean a - mean b) over the tasks of `a` and `b` ({task: `problem_scores`}) from the
+    per-problem differences; None unless both kept their scores for the same problems (two or more) in every task."""
     variance = 0.0
-    for task in shared:
-        sa, sb = problem_scores(a[task]), problem_scores(b[task])
+    for task, sa in a.items():
+        sb = b[task]
         if sa is None or sb is None or sa.keys() != sb.keys() or len(sa) < 2:
             return None
         variance += statistics.variance([sa[k] - sb[k] for k in sa]) / len(sa)
-    return variance ** 0.5 / len(shared)
+    return variance ** 0.5 / len(a)
 
 
 def _gaps_in_stderr(pairs: dict[str, tuple[str, str]], means: dict[str, float], entries: dict[str, dict[str, Result]],
@@ -161,9 +161,16 @@ def _gaps_in_stderr(pairs: dict[str, tuple[str, str]], means: dict[str, float], 
     """For each named pair (a, b): (mean a - mean b) / the standard error of that difference, paired where
     both kept per-problem scores, else from `stderr` as if independent; None where an error is missing or
     is 0 (two scores at the ceiling or the floor). Also which error each gap used: "paired" or "independent"."""
+    per_problem: dict[str, dict] = {}  # each evaluation's details are read once, however many pairs it is in
+
+    def scores(name: str) -> dict:
+        if name not in per_problem:
+            per_problem[name] = {t: problem_scores(entries[name][t]) for t in shared}
+        return per_problem[name]
+
     gaps, methods = {}, {}
     for name, (a, b) in pairs.items():
-        se = _paired_stderr(entries[a], entries[b], shared)
+        se = _paired_stderr(scores(a), scores(b))
         methods[name] = "paired" if se is not None else "independent"
         if se is None:
             ea, eb = stderr.get(a), stderr.get(b)
