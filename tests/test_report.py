@@ -332,7 +332,7 @@ def _details(root: Path, variant: str, scores: list[float], golds: list[str] | N
     golds = golds or [str(i % 10) for i in range(len(scores))]
     rows = [{"index": i, "gold": g, "completions": [], "metrics": {"pass@1": s, "pass@10": float(s > 0)}}
             for i, (s, g) in enumerate(zip(scores, golds))]
-    path = root / "ablations" / variant / "synthetic" / "details.jsonl"
+    path = root / ("" if variant.startswith("loops/") else "ablations") / variant / "synthetic" / "details.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
 
 
@@ -371,6 +371,33 @@ def test_a_gap_between_two_models_is_measured_against_its_paired_error_where_bot
     kd_diffs = [1.0] * 2 + [0.0] * 18  # no-interp minus no-kd
     kd_se = (sum((d - 0.1) ** 2 for d in kd_diffs) / 19 / 20) ** 0.5
     assert ladder.values["drops_in_stderr"]["-kd"] == pytest.approx(0.1 / kd_se)
+
+
+def test_each_step_of_t_is_measured_in_standard_errors_so_a_swap_near_the_floor_reads_as_noise(tmp_path):
+    from melt_eval.report.claims import paper_claims
+
+    # MELT run with fewer loops than it was trained with scores near the floor: 10% at T = 1, 20% at T = 2 (20
+    # problems each, two more solved at T = 2); paired, that step is 1.5 standard errors, so another machine's
+    # floats could turn it. T = 3 kept no per-problem scores: its steps combine the results' own errors (0.01).
+    _demo_like_results(tmp_path)
+    _details(tmp_path, "loops/melt-tiny-T1", [1.0] * 2 + [0.0] * 18)
+    _details(tmp_path, "loops/melt-tiny-T2", [1.0] * 4 + [0.0] * 16)
+    loops = paper_claims(load_results(tmp_path))[5]
+    assert loops.holds
+    assert loops.values["rises_stderr_method"] == {"T 1->2": "paired", "T 2->3": "independent", "T 3->4": "independent"}
+    diffs = [1.0] * 2 + [0.0] * 18
+    paired = (sum((d - 0.1) ** 2 for d in diffs) / 19 / 20) ** 0.5
+    assert loops.values["rises_in_stderr"]["T 1->2"] == pytest.approx(0.1 / paired) == pytest.approx(1.45, abs=0.01)
+    assert loops.values["rises_in_stderr"]["T 2->3"] == pytest.approx(0.1 / (2 * 0.01 ** 2) ** 0.5)
+    assert loops.measured.endswith("; within 2 standard errors: T 1->2 +10.0 (1.5 se)")
+    assert loops.brief == "10.0 / 20.0 / 30.0 / 50.0; cache constant (T 1->2 +1.5 se)"
+
+    # the same two scores swapped: the claim fails, and the note says by how little
+    _demo_like_results(tmp_path, **{"melt-T1": 0.2, "melt-T2": 0.1})
+    _details(tmp_path, "loops/melt-tiny-T1", [1.0] * 4 + [0.0] * 16)
+    _details(tmp_path, "loops/melt-tiny-T2", [1.0] * 2 + [0.0] * 18)
+    loops = paper_claims(load_results(tmp_path))[5]
+    assert not loops.holds and loops.measured.endswith("; within 2 standard errors: T 1->2 -10.0 (1.5 se)")
 
 
 def test_claims_across_seeds_count_the_runs_each_claim_holds_in(tmp_path, capsys):

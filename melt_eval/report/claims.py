@@ -13,8 +13,8 @@ Thresholds are fixed here, once, from the paper's wording; they are not tuned to
   6. accuracy rises with T while MELT's cache stays constant: MELT's pass@1 never falls as T grows,
      is higher at the largest T than at T = 1, and the cache its runs measured is the same at every T.
 
-The comparisons (the ladder's steps, the gates) also give each gap in standard errors of the
-difference, and name the ones under `NOISE` of them: with 100 problems a point or two is within the
+The comparisons (the ladder's steps, the gates, each step of T) also give each gap in standard errors of
+the difference, and name the ones under `NOISE` of them: with 100 problems a point or two is within the
 noise, and a reader should see when a ✓ or ✗ rests on it. The two models answer the same problems, so
 the error of a gap is the paired one, from the per-problem differences in each evaluation's
 details.jsonl (a problem both find hard counts once, not twice); only where either evaluation lacks its
@@ -309,7 +309,7 @@ def _best_gate(rs: ResultSet, claim: Claim) -> None:
 
 
 def _rises_with_loops(rs: ResultSet, claim: Claim) -> None:
-    from melt_eval.report.plots import loops_points
+    from melt_eval.report.plots import loops_points, loops_task
 
     lines = {label: ps for label, ps in loops_points(rs).items() if "melt" in label.lower() and "kv-sharing" not in label}
     if not lines:
@@ -321,14 +321,27 @@ def _rises_with_loops(rs: ResultSet, claim: Claim) -> None:
         return
     rising = all(b >= a for a, b in zip(acc, acc[1:])) and acc[-1] > acc[0]
     constant = None if any(c is None for c in cache) else max(cache) - min(cache) <= CACHE_TOLERANCE * max(cache)
+    # each step T -> T' in standard errors of the difference, like the ladder's: two scores near the floor
+    # (a model run with fewer loops than it was trained for) can swap on another machine's floats
+    task = loops_task(rs)
+    entries = {f"T={p.loops}": {task: p.result} for p in points}
+    means = {f"T={p.loops}": a / 100 for p, a in zip(points, acc)}
+    stderr = _stderr_over_shared(entries, [task])
+    steps = {f"T {a.loops}->{b.loops}": (f"T={b.loops}", f"T={a.loops}") for a, b in zip(points, points[1:])}
+    gaps, methods = _gaps_in_stderr(steps, means, entries, [task], stderr)
     claim.values = {"model": label, "loops": [p.loops for p in points], "pass@1": [a / 100 for a in acc],
-                    "cache_mb": cache}
+                    "cache_mb": cache, "rises_in_stderr": gaps, "rises_stderr_method": methods}
     claim.measured = f"{label} pass@1 " + " / ".join(f"{a:.1f}" for a in acc) + " at T = " + \
         ",".join(str(p.loops) for p in points)
     claim.measured += "; cache not recorded" if constant is None else \
         "; cache " + " / ".join(f"{c:.2f}" for c in cache) + " MiB"
+    claim.measured += _within_noise(gaps, {k: means[a] - means[b] for k, (a, b) in steps.items()})
     claim.brief = " / ".join(f"{a:.1f}" for a in acc) + ("; cache not recorded" if constant is None else
                                                          "; cache constant" if constant else "; cache varies")
+    close = {k: z for k, z in gaps.items() if z is not None and abs(z) < NOISE}
+    if close:  # the step a rerun could most easily turn
+        step = min(close, key=lambda k: abs(close[k]))
+        claim.brief += f" ({step} {close[step]:+.1f} se)"
     claim.holds = rising and constant is not False
 
 

@@ -152,6 +152,7 @@ class LoopPoint:
     accuracy: float | None  # percent
     kv_32k_gb: float | None  # analytic, bf16
     measured_mb: float | None  # the run's peak cache
+    result: object = None  # the Result the point was read from (the claims pair its per-problem scores)
 
 
 def _group_key(r) -> tuple:
@@ -189,7 +190,7 @@ def loops_points(rs: ResultSet, task: str | None = None) -> dict[str, list[LoopP
             kv = kv_bytes_per_token_at(arch or r.model, r.raw.get("model_path"), t, r.settings.get("kv_sharing"))
             cache = r.raw.get("peak_cache_bytes")
             line.append(LoopPoint(t, _first_metric(r), None if kv is None else kv * TOKENS_32K / GB,
-                                  cache / MB if cache else None))
+                                  cache / MB if cache else None, r))
         if key[1]:
             label += f" (kv-sharing {key[1]})"
         out[label] = line

@@ -356,7 +356,7 @@ def claims_table(rs: ResultSet) -> Table:
 def claims_across_table(runs) -> Table:
     """The claims in each of several runs (`claims.RunClaims`, e.g. the demo at several seeds): the verdict
     and its deciding figures per run, how many runs each holds in, and the check on the paper's numbers."""
-    from melt_eval.report.claims import gate_head_to_head
+    from melt_eval.report.claims import NOISE, gate_head_to_head
 
     first = runs[0].claims
     rows = []
@@ -381,7 +381,8 @@ def claims_across_table(runs) -> Table:
         notes=["Ladder: full MELT, then each component removed in turn (- align, - interp, - KD); > where the "
                "removal lowers pass@1. Gate: element-wise, then the best other gate; se: the lead in standard "
                "errors of the difference (paired over the problems where both evaluations kept them). "
-               "Loops: pass@1 at T = 1, 2, ...",
+               "Loops: pass@1 at T = 1, 2, ..., and the step from one T to the next nearest the noise, in "
+               f"standard errors of the difference (paired), where one is under {NOISE:g}.",
                "n/a: the results a claim needs are missing."]
         + (["Element-wise against each gate alone, runs where it scores at least as high, and the mean of "
             "element-wise minus that gate over the runs (points, ± its standard error over the runs): "
