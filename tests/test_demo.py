@@ -73,6 +73,8 @@ def test_quick_demo_writes_every_table_and_figure(quick_demo):
     assert all(c["measured"] is not None for c in claims), claims  # every claim's results exist
     assert claims[0]["values"]["teacher_pass@1"] == summary["teacher_pass@1"]
     assert claims[0]["values"]["melt_pass@1"] == summary["melt_pass@1"]
+    # which verdicts rest on a gap under 2 standard errors, by name, as claims.json marks them
+    assert summary["close_calls"] == [c["claim"] for c in claims if c["close_call"]]
     # the tables name the models that produced the numbers, the paper's row beside
     kv = report.split("### Untrained KV sharing")[1].split("###")[0]
     assert "on ouro-tiny" in kv and "| ouro-tiny | Ouro-1.4B-Thinking |" in kv

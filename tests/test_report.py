@@ -353,6 +353,7 @@ def test_a_gap_between_two_models_is_measured_against_its_paired_error_where_bot
     assert gates.values["lead_stderr_method"] == "paired"
     assert gates.values["lead_in_stderr"] == pytest.approx(0.05 / paired) == pytest.approx(1.45, abs=0.01)
     assert gates.holds and gates.measured.endswith("; within 2 standard errors: elementwise - scalar +5.0 (1.5 se)")
+    assert gates.close_call  # a ✓ on a 1.5-se lead: a rerun could turn it
 
     # details of other problems, or of another evaluation (their scores do not average to its result), are not
     # paired: the results' own errors are combined as if independent (0.01 each here)
@@ -360,6 +361,7 @@ def test_a_gap_between_two_models_is_measured_against_its_paired_error_where_bot
     gates = paper_claims(load_results(tmp_path))[4]
     assert gates.values["lead_stderr_method"] == "independent"
     assert gates.values["lead_in_stderr"] == pytest.approx(0.05 / (2 * 0.01 ** 2) ** 0.5)
+    assert gates.close_call is False  # 3.5 standard errors
     _details(tmp_path, "gates/scalar", [1.0] * 10 + [0.0] * 10)  # averages 0.50, the result says 0.40
     assert paper_claims(load_results(tmp_path))[4].values["lead_stderr_method"] == "independent"
     # the ladder's steps are paired the same way, each step on its own
@@ -391,6 +393,7 @@ def test_each_step_of_t_is_measured_in_standard_errors_so_a_swap_near_the_floor_
     assert loops.values["rises_in_stderr"]["T 2->3"] == pytest.approx(0.1 / (2 * 0.01 ** 2) ** 0.5)
     assert loops.measured.endswith("; within 2 standard errors: T 1->2 +10.0 (1.5 se)")
     assert loops.brief == "10.0 / 20.0 / 30.0 / 50.0; cache constant (T 1->2 +1.5 se)"
+    assert loops.close_call and loops.to_json()["close_call"] is True  # a rerun could turn this ✓
 
     # the same two scores swapped: the claim fails, and the note says by how little
     _demo_like_results(tmp_path, **{"melt-T1": 0.2, "melt-T2": 0.1})
@@ -398,6 +401,12 @@ def test_each_step_of_t_is_measured_in_standard_errors_so_a_swap_near_the_floor_
     _details(tmp_path, "loops/melt-tiny-T2", [1.0] * 2 + [0.0] * 18)
     loops = paper_claims(load_results(tmp_path))[5]
     assert not loops.holds and loops.measured.endswith("; within 2 standard errors: T 1->2 -10.0 (1.5 se)")
+    assert loops.close_call  # ... and this ✗
+    # a fall far beyond the noise (T = 1 without per-problem scores: 0.01 each, as if independent) is decided
+    _demo_like_results(tmp_path, **{"melt-T1": 0.5})
+    (tmp_path / "loops" / "melt-tiny-T1" / "synthetic" / "details.jsonl").unlink()
+    loops = paper_claims(load_results(tmp_path))[5]
+    assert not loops.holds and loops.close_call is False and "within" not in loops.measured
 
 
 def test_claims_across_seeds_count_the_runs_each_claim_holds_in(tmp_path, capsys):
@@ -417,6 +426,7 @@ def test_claims_across_seeds_count_the_runs_each_claim_holds_in(tmp_path, capsys
     assert [r["holds"] for r in gate["runs"]] == [True, False]
     assert gate["runs"][1]["brief"] == "45.0; scalar 48.0 (-2.1 se)"  # stderr 0.01 each: 0.03 / 0.0141
     assert [c["holds_in"] for c in got["claims"]] == [2, 2, 2, 2, 1, 2]
+    assert [c["close_calls"] for c in got["claims"]] == [0] * 6 and [r["close_calls"] for r in got["runs"]] == [0, 0]
     # each gate alone: the scalar gate is ahead at one seed of two, the others at none; the mean gap over the
     # seeds (+5 and -3 points against the scalar gate) with its standard error over them
     scalar, mean = got["gate_head_to_head"]["scalar"], got["gate_head_to_head"]["mean"]
@@ -433,6 +443,7 @@ def test_claims_across_seeds_count_the_runs_each_claim_holds_in(tmp_path, capsys
     ladder_row = next(line for line in lines if line.startswith("| Each other ladder"))
     assert "✓ 50.0 > 45.0 > 30.0 > 20.0" in ladder_row
     assert "| Claims that hold | 6 of 6 | 5 of 6 |" in res.output
+    assert "| Close calls | 0 | 0 |" in res.output  # every gap here is over 2 standard errors
     assert ("(points, ± its standard error over the runs): scalar 1 of 2 (+1.0 ± 4.0), ema-0.2 2 of 2 (+15.0 ± 0.0), "
             "mean 2 of 2 (+10.0 ± 0.0), last 2 of 2 (+15.0 ± 0.0).") in res.output.replace("\n", " ")
     assert "\\begin{tabular}" in runner.invoke(app, ["claims", *dirs, "--format", "latex"]).output

@@ -135,7 +135,7 @@ def _run_demo(output: Path, quick: bool, progress: bool, seed: int, threads: int
     say("report", "[3/3] the report")
     from melt_eval.experiments.loop_profile import SEQUENCES, checkpoint_profile, summary_line
     from melt_eval.files import write_json_atomic
-    from melt_eval.report.claims import paper_claims
+    from melt_eval.report.claims import NOISE, paper_claims
     from melt_eval.report.mistakes import mistakes_json
     from melt_eval.report.render import print_tables, render_markdown_report
     from melt_eval.report.results import load_results
@@ -166,6 +166,7 @@ def _run_demo(output: Path, quick: bool, progress: bool, seed: int, threads: int
         "teacher_pass@1": pass_at_1("ouro-tiny"), "melt_pass@1": pass_at_1("melt-tiny"), "loop_profile": profiles,
         "gate_profile": gate_profile,
         "claims_hold": sum(c.holds is True for c in claims), "claims": len(claims),
+        "close_calls": [c.claim for c in claims if c.close_call],
         "files": [str(f) for f in report["files"]] + [str(output / "report" / f) for f in ("paper_tables.md", "claims.json", "mistakes.json")],
         "previous_runs": _previous_runs(output / "demo.json"),
     }
@@ -192,7 +193,10 @@ def _run_demo(output: Path, quick: bool, progress: bool, seed: int, threads: int
             mark = {True: "\u2713", False: "\u2717", None: "n/a"}[c.holds]
             paper = "" if c.paper_holds is None else f"; the paper's numbers: {c.paper} " + ("\u2713" if c.paper_holds else "\u2717")
             _echo(f"  {mark} {c.claim}: {c.measured or 'not run'} (needs {c.threshold}{paper})")
-        _echo(f"{summary['claims_hold']} of {summary['claims']} claims hold" + (" (--quick: its numbers mean nothing)" if quick else ""))
+        close = summary["close_calls"]
+        _echo(f"{summary['claims_hold']} of {summary['claims']} claims hold" + (" (--quick: its numbers mean nothing)" if quick else "")
+              + (f"; {len(close)} of the verdicts rest on a gap under {NOISE:g} standard errors, which a rerun at another "
+                 f"seed or on another machine's floats could turn: {'; '.join(close)}" if close else ""))
         _echo(f"the same claims across seeds: melt-eval demo --seed N --output DIR, then melt-eval claims {output} DIR ...")
     return summary
 

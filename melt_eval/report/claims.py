@@ -20,7 +20,9 @@ the error of a gap is the paired one, from the per-problem differences in each e
 details.jsonl (a problem both find hard counts once, not twice); only where either evaluation lacks its
 per-problem scores are the results' own standard errors combined as if independent, which misstates it
 by however much the two models' per-problem scores are correlated. Each gap records which it used. This
-annotates; it never changes `holds`.
+annotates; it never changes `holds`. `close_call` says whether the verdict rests on such a gap: a ✓ with a
+step under NOISE standard errors, a ✗ whose every failing step is (another machine's floats, a rerun at
+another seed, could turn it).
 
 `claims_of_runs` checks the same claims in several runs (the demo at several seeds) for one table across
 them (`melt-eval claims DIR...`): how many runs each claim holds in is what says whether it is robust.
@@ -58,10 +60,12 @@ class Claim:
     paper: str | None = None  # the same check on the paper's own numbers
     paper_holds: bool | None = None
     values: dict = field(default_factory=dict)  # the numbers behind `measured`
+    close_call: bool | None = None  # the verdict rests on a gap under NOISE standard errors: a rerun could turn it
 
     def to_json(self) -> dict:
         return {"claim": self.claim, "measured": self.measured, "threshold": self.threshold, "holds": self.holds,
-                "brief": self.brief, "values": self.values, "paper": self.paper, "paper_holds": self.paper_holds}
+                "close_call": self.close_call, "brief": self.brief, "values": self.values, "paper": self.paper,
+                "paper_holds": self.paper_holds}
 
 
 def _first(result: Result) -> tuple[float, float | None] | None:
@@ -179,6 +183,23 @@ def _gaps_in_stderr(pairs: dict[str, tuple[str, str]], means: dict[str, float], 
     return gaps, methods
 
 
+def _close_call(gaps: dict[str, float | None], failing: set[str]) -> bool:
+    """Whether a verdict decided by the signs of `gaps` could turn on a rerun: a ✓ if any gap is under NOISE
+    standard errors, a ✗ if every failing gap is (a gap with no error, two identical sets of scores, is decided)."""
+    near = {k for k, z in gaps.items() if z is not None and abs(z) < NOISE}
+    return failing <= near if failing else bool(near)
+
+
+def _nearest_noise(gaps: dict[str, float | None]) -> str:
+    """For a brief: the gap nearest zero, if it is under NOISE standard errors (the step a rerun could most easily
+    turn), e.g. ' (T 1->2 +0.1 se)'; '' if none is."""
+    close = {k: z for k, z in gaps.items() if z is not None and abs(z) < NOISE}
+    if not close:
+        return ""
+    step = min(close, key=lambda k: abs(close[k]))
+    return f" ({step} {close[step]:+.1f} se)"
+
+
 def _within_noise(gaps: dict[str, float | None], changes: dict[str, float]) -> str:
     """The measured-text note naming the gaps under NOISE standard errors ('' if none); `changes`: each
     gap's signed difference in pass@1 as the text should read it."""
@@ -284,6 +305,8 @@ def _ladder(rs: ResultSet, claim: Claim) -> None:
     if not claim.holds:
         claim.measured += "; " + ", ".join(f"removing {k[1:]} changes {100 * -d + 0.0:+.1f}" for k, d in drops.items() if d <= 0)
     claim.measured += _within_noise(gaps, {k: -d for k, d in drops.items()})  # what each removal changes
+    claim.brief += _nearest_noise({k: -z if z is not None else None for k, z in gaps.items()})
+    claim.close_call = _close_call(gaps, {k for k, d in drops.items() if d <= 0})
 
 
 def _best_gate(rs: ResultSet, claim: Claim) -> None:
@@ -306,6 +329,7 @@ def _best_gate(rs: ResultSet, claim: Claim) -> None:
         ("" if gaps[lead] is None else f" ({gaps[lead]:+.1f} se)")
     claim.measured += _within_noise(gaps, {lead: means["elementwise"] - means[best_other]})
     claim.holds = means["elementwise"] >= means[best_other]
+    claim.close_call = _close_call(gaps, set() if claim.holds else {lead})
 
 
 def _rises_with_loops(rs: ResultSet, claim: Claim) -> None:
@@ -338,11 +362,10 @@ def _rises_with_loops(rs: ResultSet, claim: Claim) -> None:
     claim.measured += _within_noise(gaps, {k: means[a] - means[b] for k, (a, b) in steps.items()})
     claim.brief = " / ".join(f"{a:.1f}" for a in acc) + ("; cache not recorded" if constant is None else
                                                          "; cache constant" if constant else "; cache varies")
-    close = {k: z for k, z in gaps.items() if z is not None and abs(z) < NOISE}
-    if close:  # the step a rerun could most easily turn
-        step = min(close, key=lambda k: abs(close[k]))
-        claim.brief += f" ({step} {close[step]:+.1f} se)"
+    claim.brief += _nearest_noise(gaps)
     claim.holds = rising and constant is not False
+    if constant is not False:  # a cache that varies decides the claim whatever the scores
+        claim.close_call = _close_call(gaps, {k for k, (a, b) in steps.items() if means[a] < means[b]})
 
 
 CHECKS = [
@@ -419,6 +442,10 @@ class RunClaims:
     def holding(self) -> int:
         return sum(c.holds is True for c in self.claims)
 
+    @property
+    def close_calls(self) -> int:
+        return sum(c.close_call is True for c in self.claims)
+
 
 def results_root(directory: Path) -> Path:
     """A demo's output directory holds its results under results/; anything else is a results root."""
@@ -482,11 +509,14 @@ def across_json(runs: list[RunClaims]) -> dict:
         claims.append({
             "claim": first.claim, "threshold": first.threshold,
             "holds_in": sum(c.holds is True for c in per_run), "measured_in": sum(c.holds is not None for c in per_run),
-            "runs": [{"label": r.label, "holds": c.holds, "brief": c.brief, "measured": c.measured, "values": c.values}
+            "close_calls": sum(c.close_call is True for c in per_run),
+            "runs": [{"label": r.label, "holds": c.holds, "close_call": c.close_call, "brief": c.brief,
+                      "measured": c.measured, "values": c.values}
                      for r, c in zip(runs, per_run)],
             "paper": first.paper, "paper_holds": first.paper_holds,
         })
-    return {"runs": [{"label": r.label, "path": str(r.path), "claims_hold": r.holding, "claims": len(r.claims)}
+    return {"runs": [{"label": r.label, "path": str(r.path), "claims_hold": r.holding, "close_calls": r.close_calls,
+                      "claims": len(r.claims)}
                      for r in runs],
             "claims": claims,
             "gate_head_to_head": {g: {"elementwise_at_least_as_high": h.at_least_as_high, "runs": h.runs,

@@ -364,11 +364,14 @@ def claims_across_table(runs) -> Table:
         per_run = [r.claims[i] for r in runs]
         measured = sum(x.holds is not None for x in per_run)
         cells = [Cell(text=f"{_MARKS[x.holds]} {x.brief or x.measured or 'not run'}") for x in per_run]
-        cells.append(Cell(text=f"{sum(x.holds is True for x in per_run)} of {measured}" if measured else NA))
+        close = sum(x.close_call is True for x in per_run)
+        cells.append(Cell(text=f"{sum(x.holds is True for x in per_run)} of {measured}" + (f" ({close} close)" if close else "")
+                          if measured else NA))
         cells.append(Cell(text=f"{_MARKS[c.paper_holds]} {c.paper}" if c.paper else "(a figure; no numbers)"))
         rows.append(Row([c.claim], cells))
     rows.append(Row(["Claims that hold"], [Cell(text=f"{r.holding} of {len(r.claims)}") for r in runs] + [Cell(text=""), Cell(text="")],
                     rule_before=True))
+    rows.append(Row(["Close calls"], [Cell(text=str(r.close_calls)) for r in runs] + [Cell(text=""), Cell(text="")]))
     pairs = gate_head_to_head(runs)
     return Table(
         key="claims-across",
@@ -383,6 +386,8 @@ def claims_across_table(runs) -> Table:
                "errors of the difference (paired over the problems where both evaluations kept them). "
                "Loops: pass@1 at T = 1, 2, ..., and the step from one T to the next nearest the noise, in "
                f"standard errors of the difference (paired), where one is under {NOISE:g}.",
+               f"Close: the verdict rests on a gap under {NOISE:g} standard errors (a ✓ with such a step, a ✗ whose "
+               "every failing step is one), so a rerun at another seed or on another machine's floats could turn it.",
                "n/a: the results a claim needs are missing."]
         + (["Element-wise against each gate alone, runs where it scores at least as high, and the mean of "
             "element-wise minus that gate over the runs (points, ± its standard error over the runs): "
