@@ -305,7 +305,7 @@ def _ladder(rs: ResultSet, claim: Claim) -> None:
     if not claim.holds:
         claim.measured += "; " + ", ".join(f"removing {k[1:]} changes {100 * -d + 0.0:+.1f}" for k, d in drops.items() if d <= 0)
     claim.measured += _within_noise(gaps, {k: -d for k, d in drops.items()})  # what each removal changes
-    claim.brief += _nearest_noise({k: -z if z is not None else None for k, z in gaps.items()})
+    claim.brief += _nearest_noise({k: -z if z is not None else None for k, z in gaps.items()})  # as the note reads it
     claim.close_call = _close_call(gaps, {k for k, d in drops.items() if d <= 0})
 
 

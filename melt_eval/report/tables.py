@@ -384,8 +384,8 @@ def claims_across_table(runs) -> Table:
         notes=["Ladder: full MELT, then each component removed in turn (- align, - interp, - KD); > where the "
                "removal lowers pass@1. Gate: element-wise, then the best other gate; se: the lead in standard "
                "errors of the difference (paired over the problems where both evaluations kept them). "
-               "Loops: pass@1 at T = 1, 2, ..., and the step from one T to the next nearest the noise, in "
-               f"standard errors of the difference (paired), where one is under {NOISE:g}.",
+               "Loops: pass@1 at T = 1, 2, .... In brackets after the ladder and the loops: the step nearest the "
+               f"noise, where one is under {NOISE:g} standard errors (the ladder's as what the removal changes).",
                f"Close: the verdict rests on a gap under {NOISE:g} standard errors (a ✓ with such a step, a ✗ whose "
                "every failing step is one), so a rerun at another seed or on another machine's floats could turn it.",
                "n/a: the results a claim needs are missing."]
