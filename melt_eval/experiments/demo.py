@@ -195,8 +195,9 @@ def _run_demo(output: Path, quick: bool, progress: bool, seed: int, threads: int
             _echo(f"  {mark} {c.claim}: {c.measured or 'not run'} (needs {c.threshold}{paper})")
         close = summary["close_calls"]
         _echo(f"{summary['claims_hold']} of {summary['claims']} claims hold" + (" (--quick: its numbers mean nothing)" if quick else "")
-              + (f"; {len(close)} of the verdicts rest on a gap under {NOISE:g} standard errors, which a rerun at another "
-                 f"seed or on another machine's floats could turn: {'; '.join(close)}" if close else ""))
+              + (f"; {len(close)} {'verdict rests' if len(close) == 1 else 'verdicts rest'} on a gap under {NOISE:g} standard "
+                 f"errors, which a rerun at another seed or on another machine's floats could turn: {'; '.join(close)}"
+                 if close else ""))
         _echo(f"the same claims across seeds: melt-eval demo --seed N --output DIR, then melt-eval claims {output} DIR ...")
     return summary
 
