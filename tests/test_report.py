@@ -373,6 +373,8 @@ def test_a_gap_between_two_models_is_measured_against_its_paired_error_where_bot
     kd_diffs = [1.0] * 2 + [0.0] * 18  # no-interp minus no-kd
     kd_se = (sum((d - 0.1) ** 2 for d in kd_diffs) / 19 / 20) ** 0.5
     assert ladder.values["drops_in_stderr"]["-kd"] == pytest.approx(0.1 / kd_se)
+    # a ✓ whose last step is 1.5 standard errors: a close call, and the brief names that step as the removal reads
+    assert ladder.holds and ladder.close_call and ladder.brief == "50.0 > 45.0 > 30.0 > 20.0 (-kd -1.5 se)"
 
 
 def test_each_step_of_t_is_measured_in_standard_errors_so_a_swap_near_the_floor_reads_as_noise(tmp_path):
