@@ -46,11 +46,11 @@ def training_steps(steps: int, rounds: int) -> dict[str, float]:
     return {label: statistics.median(t) for label, t in times.items()}
 
 
-def generation(problems: int) -> dict[str, float]:
+def demo_sized_melt_and_prompts(problems: int):
+    """A MELT model of the demo's size (random weights: it never stops, so every run generates the same number
+    of tokens), `problems` synthetic prompts as the demo's task words them, and the recipe's sequence length."""
     import torch
 
-    import melt_eval.generation.engine as engine
-    from melt_eval.generation.options import InferenceOptions
     from melt_eval.modeling import MeltForCausalLM
     from melt_eval.modeling.loading import load_model
     from melt_eval.training.config import load_recipe
@@ -64,6 +64,16 @@ def generation(problems: int) -> dict[str, float]:
     for _ in range(problems):
         example = stream.next()
         prompts.append(example.input_ids[: prompt_length(torch.tensor([example.loss_mask]))])
+    return model, prompts, recipe.seq_len
+
+
+def generation(problems: int) -> dict[str, float]:
+    import torch
+
+    import melt_eval.generation.engine as engine
+    from melt_eval.generation.options import InferenceOptions
+
+    model, prompts, seq_len = demo_sized_melt_and_prompts(problems)
 
     def per_row_multinomial(logits, temperature, top_p, uniforms):
         """The engine's sampler before: the same nucleus, then one multinomial per row's generator."""
@@ -77,8 +87,8 @@ def generation(problems: int) -> dict[str, float]:
     current = engine.sample_next
     times = {}
     for label, chunk, sampler in (("prefill chunk 1, per-row multinomial", 1, per_row_multinomial),
-                                  ("whole prompt, per-row multinomial", recipe.seq_len, per_row_multinomial),
-                                  ("whole prompt, sample_next", recipe.seq_len, current)):
+                                  ("whole prompt, per-row multinomial", seq_len, per_row_multinomial),
+                                  ("whole prompt, sample_next", seq_len, current)):
         engine.sample_next = sampler
         try:
             t0 = time.perf_counter()
