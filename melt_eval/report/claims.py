@@ -183,17 +183,22 @@ def _gaps_in_stderr(pairs: dict[str, tuple[str, str]], means: dict[str, float], 
     return gaps, methods
 
 
+def _under_noise(gaps: dict[str, float | None]) -> dict[str, float]:
+    """The gaps under NOISE standard errors (a gap with no error, two identical sets of scores, is not)."""
+    return {k: z for k, z in gaps.items() if z is not None and abs(z) < NOISE}
+
+
 def _close_call(gaps: dict[str, float | None], failing: set[str]) -> bool:
     """Whether a verdict decided by the signs of `gaps` could turn on a rerun: a ✓ if any gap is under NOISE
-    standard errors, a ✗ if every failing gap is (a gap with no error, two identical sets of scores, is decided)."""
-    near = {k for k, z in gaps.items() if z is not None and abs(z) < NOISE}
-    return failing <= near if failing else bool(near)
+    standard errors, a ✗ if every failing gap is."""
+    near = _under_noise(gaps)
+    return failing <= near.keys() if failing else bool(near)
 
 
 def _nearest_noise(gaps: dict[str, float | None]) -> str:
     """For a brief: the gap nearest zero, if it is under NOISE standard errors (the step a rerun could most easily
     turn), e.g. ' (T 1->2 +0.1 se)'; '' if none is."""
-    close = {k: z for k, z in gaps.items() if z is not None and abs(z) < NOISE}
+    close = _under_noise(gaps)
     if not close:
         return ""
     step = min(close, key=lambda k: abs(close[k]))
@@ -203,8 +208,7 @@ def _nearest_noise(gaps: dict[str, float | None]) -> str:
 def _within_noise(gaps: dict[str, float | None], changes: dict[str, float]) -> str:
     """The measured-text note naming the gaps under NOISE standard errors ('' if none); `changes`: each
     gap's signed difference in pass@1 as the text should read it."""
-    close = [f"{name} {100 * changes[name] + 0.0:+.1f} ({abs(z):.1f} se)" for name, z in gaps.items()
-             if z is not None and abs(z) < NOISE]
+    close = [f"{name} {100 * changes[name] + 0.0:+.1f} ({abs(z):.1f} se)" for name, z in _under_noise(gaps).items()]
     return f"; within {NOISE:g} standard errors: " + ", ".join(close) if close else ""
 
 
