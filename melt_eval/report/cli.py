@@ -51,7 +51,8 @@ def register(app: typer.Typer) -> None:
         runs: list[Path] = typer.Argument(..., help="Demo output directories (or results roots), e.g. demo-seed0 demo-seed1."),
         fmt: str = typer.Option("table", "--format", help="table | markdown | latex | json"),
     ) -> None:
-        """The paper's claims in each run, side by side, and how many runs each holds in (the demo at several seeds)."""
+        """The paper's claims in each run, side by side, how many runs each holds in (the demo at several seeds), and
+        how many of its verdicts rest on a gap under 2 standard errors (close calls, which a rerun could turn)."""
         from melt_eval.report.claims import across_json, claims_of_runs, results_root
         from melt_eval.report.tables import claims_across_table
 
