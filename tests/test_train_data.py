@@ -243,3 +243,12 @@ def test_bucketing_groups_similar_lengths_and_pads_less(tok):
     assert slots < unsorted
     widths = [g["input_ids"].shape[1] for g in groups]
     assert widths == sorted(widths, reverse=True)
+
+
+def test_the_paper_recipes_train_the_papers_10k_sequences():
+    """A longer reasoning trace is truncated (and counted), never kept whole at 3x the step's memory."""
+    from melt_eval.training import load_recipe
+
+    for name in ("paper-phase1", "paper-phase2"):
+        recipe = load_recipe(name, overrides={"data": [{"source": "synthetic"}]})
+        assert (recipe.seq_len, recipe.overlong) == (10_000, "truncate"), name

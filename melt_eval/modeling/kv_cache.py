@@ -32,6 +32,7 @@ from typing import Hashable
 
 import torch
 import torch.nn.functional as F
+from torch.autograd.function import once_differentiable
 from torch.nn.attention.bias import causal_lower_right
 
 Tensor = torch.Tensor
@@ -57,12 +58,29 @@ def chunk_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(c, s))
 
 
+def _autocast_state(device_type: str) -> tuple[str, bool, torch.dtype]:
+    return device_type, torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type)
+
+
+def _once(ctx, what: str) -> None:
+    """Refuse a second backward through the same forward (`retain_graph=True`).
+
+    The store is not a function of the graph: activation checkpointing rewrites a chunk's slots
+    while it recomputes, and the commits hand their gradient slots out once, so a second
+    backward would read other entries and give wrong gradients without an error."""
+    if getattr(ctx, "backward_done", False):
+        raise RuntimeError(f"chunk-wise training: a second backward through the same forward ({what}) is not "
+                           "supported; run the forward again instead of retain_graph=True")
+    ctx.backward_done = True
+
+
 class _PrefixAttention(torch.autograd.Function):
     """A chunk's attention over the stored prefix (read in place) and its own k, v.
 
     Saves only the chunk's q, k, v; the backward rebuilds [prefix, k] transiently,
-    recomputes the attention, and adds the prefix's gradient into the store's gradient
-    buffer (the earlier chunks' `_Commit` backward collects it).
+    recomputes the attention under the forward's autocast state (as `torch.amp.custom_fwd`/
+    `custom_bwd` do, for whichever device the chunk runs on), and adds the prefix's gradient
+    into the store's fp32 gradient buffer (the earlier chunks' `_Commit` backward collects it).
     """
 
     @staticmethod
@@ -71,14 +89,18 @@ class _PrefixAttention(torch.autograd.Function):
         end = past + k.shape[2]
         ctx.save_for_backward(q, k, v)
         ctx.store, ctx.key, ctx.past = store, key, past
+        ctx.autocast = _autocast_state(q.device.type)
         return chunk_attention(q, kb[:, :, :end], vb[:, :, :end])
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad_out):
+        _once(ctx, "attention over the prefix")
         q, k, v = ctx.saved_tensors
         store, key, past = ctx.store, ctx.key, ctx.past
         kb, vb = store.buffers[key]
-        with torch.enable_grad():
+        device_type, enabled, dtype = ctx.autocast
+        with torch.enable_grad(), torch.autocast(device_type, enabled=enabled, dtype=dtype):
             q_ = q.detach().requires_grad_()
             k_all = torch.cat([kb[:, :, :past], k.detach()], dim=2).requires_grad_()
             v_all = torch.cat([vb[:, :, :past], v.detach()], dim=2).requires_grad_()
@@ -87,7 +109,7 @@ class _PrefixAttention(torch.autograd.Function):
         gk, gv = store.grad_buffers(key)
         gk[:, :, :past] += dk[:, :, :past]
         gv[:, :, :past] += dv[:, :, :past]
-        return dq, dk[:, :, past:], dv[:, :, past:], torch.zeros(()), None, None, None
+        return dq.to(q.dtype), dk[:, :, past:].to(k.dtype), dv[:, :, past:].to(v.dtype), torch.zeros(()), None, None, None
 
 
 class _Commit(torch.autograd.Function):
@@ -98,19 +120,21 @@ class _Commit(torch.autograd.Function):
         for i, key in enumerate(keys):
             store.write(key, finals[2 * i], finals[2 * i + 1], start)
         ctx.store, ctx.keys, ctx.start, ctx.end = store, keys, start, end
+        ctx.dtypes = [t.dtype for t in finals]
         return torch.zeros(())
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad_token):
+        _once(ctx, "commit of a chunk's entries")
         store, start, end = ctx.store, ctx.start, ctx.end
         grads = []
-        for key in ctx.keys:
+        for i, key in enumerate(ctx.keys):
             if key not in store.grads:  # no later chunk read this key (a single-chunk pass)
                 grads += [None, None]
                 continue
             gk, gv = store.grads[key]
-            # taken out, so a second backward through a retained graph starts from zero
-            grads += [gk[:, :, start:end].clone(), gv[:, :, start:end].clone()]
+            grads += [gk[:, :, start:end].to(ctx.dtypes[2 * i], copy=True), gv[:, :, start:end].to(ctx.dtypes[2 * i + 1], copy=True)]
             gk[:, :, start:end] = 0
             gv[:, :, start:end] = 0
         return (torch.zeros(()) if ctx.needs_input_grad[0] else None, None, None, None, None, *grads)
@@ -137,9 +161,11 @@ class TrainingKVBuffer:
         return kb, vb
 
     def grad_buffers(self, key: Hashable) -> tuple[Tensor, Tensor]:
+        """fp32 whatever the entries' dtype: a prefix slot sums the gradients of every later chunk
+        that reads it (L / C of them), which bf16's 8-bit mantissa would round at each addition."""
         if key not in self.grads:
             kb, vb = self.buffers[key]
-            self.grads[key] = (torch.zeros_like(kb), torch.zeros_like(vb))
+            self.grads[key] = (torch.zeros_like(kb, dtype=torch.float32), torch.zeros_like(vb, dtype=torch.float32))
         return self.grads[key]
 
     def attend(self, key: Hashable, q: Tensor, k: Tensor, v: Tensor, past: int, token: Tensor | None,

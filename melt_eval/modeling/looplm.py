@@ -101,17 +101,50 @@ def rope_inv_freq(config: LoopLMConfig) -> Tensor:
     return 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
 
 
+def compute_dtype(x: Tensor) -> torch.dtype:
+    """The dtype the projections of x produce: autocast's where it is on, else x's own.
+
+    Under autocast the embedding output stays fp32 while q/k/v come out bf16; cos/sin must take
+    the projections' dtype, or RoPE promotes q and k back to fp32 and they no longer match v
+    (SDPA's lower-right causal path checks that before autocast could cast them)."""
+    device_type = x.device.type
+    if torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    return x.dtype
+
+
 class RotaryEmbedding(nn.Module):
-    """RoPE with HF Llama's rotate-half convention."""
+    """RoPE with HF Llama's rotate-half convention.
+
+    The angles are always computed in fp32 from fp32 inverse frequencies, and only cos/sin are
+    cast to the compute dtype: `inv_freq` rounded to bf16 is off by up to 4e-3 relative, which is
+    more than 0.1 rad of phase at distance 10,000, so a model cast with `.to(bfloat16)` (or an
+    FSDP mixed-precision policy that casts buffers) would train at positions other than the ones
+    inference and vLLM (which computes its own fp32 table) use.
+    """
 
     def __init__(self, config: LoopLMConfig) -> None:
         super().__init__()
+        self.config = config
         self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
 
+    def _apply(self, fn, recurse=True):
+        super()._apply(fn, recurse)
+        if self.inv_freq.dtype != torch.float32:  # `.to(dtype)` casts every floating buffer: recompute fp32
+            self.inv_freq = rope_inv_freq(self.config).to(self.inv_freq.device)
+        return self
+
+    def fp32_inv_freq(self) -> Tensor:
+        inv_freq = self.inv_freq
+        if inv_freq.dtype != torch.float32:  # cast behind `_apply`'s back, e.g. FSDP's `buffer.data = ...`
+            inv_freq = rope_inv_freq(self.config).to(inv_freq.device)
+        return inv_freq
+
     def forward(self, position_ids: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-        freqs = position_ids[..., None].float() * self.inv_freq.float()  # [B, c, dim/2]
-        emb = torch.cat([freqs, freqs], dim=-1)
-        return emb.cos().to(dtype)[:, None], emb.sin().to(dtype)[:, None]  # [B, 1, c, dim]
+        with torch.autocast(position_ids.device.type, enabled=False):
+            freqs = position_ids[..., None].float() * self.fp32_inv_freq()  # [B, c, dim/2]
+            emb = torch.cat([freqs, freqs], dim=-1)
+            return emb.cos().to(dtype)[:, None], emb.sin().to(dtype)[:, None]  # [B, 1, c, dim]
 
 
 def rotate_half(x: Tensor) -> Tensor:
@@ -233,7 +266,7 @@ class LoopLMModel(nn.Module):
         """
         cfg = self.config
         x = self.embed_tokens(input_ids)
-        cos, sin = self.rotary_emb(position_ids, x.dtype)
+        cos, sin = self.rotary_emb(position_ids, compute_dtype(x))
         past = policy.past_length
         mask = None if key_mask is None else self._mask(input_ids.shape[1], past, key_mask, x.device)
         T, N = cfg.total_ut_steps, len(self.layers)
@@ -402,22 +435,25 @@ class LoopLMForCausalLM(LoopLMPreTrainedModel):
             chunks = (self.model.run_chunk(input_ids[:, start:end], position_ids[:, start:end], policy,
                                            kv_sharing=kv_sharing, collect=output_loop_states or collect_attn)
                       for start, end in zip(starts, starts[1:] + [L]))
-        for x, extra in chunks:
-            hidden.append(x)
-            if output_loop_states or collect_attn:
-                for t in range(T):
-                    loop_hidden[t].append(extra["loop_hidden"][t])
+        try:
+            for x, extra in chunks:
+                hidden.append(x)
+                if output_loop_states or collect_attn:
+                    for t in range(T):
+                        loop_hidden[t].append(extra["loop_hidden"][t])
+                        for i in range(N):
+                            if collect_attn:
+                                attn_outputs[i][t].append(extra["attn_outputs"][i][t])
                     for i in range(N):
-                        if collect_attn:
-                            attn_outputs[i][t].append(extra["attn_outputs"][i][t])
-                for i in range(N):
-                    for t, z in enumerate(extra["gates"][i]):
-                        if z is not None:
-                            gates[i][t].append(z)
-        # The store's latest commit token links it to the graph whose nodes hold the store: a reference
-        # cycle through autograd's C++ nodes that Python's collector cannot free (each step leaked its buffers).
-        if hasattr(policy, "store"):
-            policy.store.token = None
+                        for t, z in enumerate(extra["gates"][i]):
+                            if z is not None:
+                                gates[i][t].append(z)
+        finally:
+            # The store's latest commit token links it to the graph whose nodes hold the store: a reference
+            # cycle through autograd's C++ nodes that Python's collector cannot free (each step leaked its
+            # buffers). Broken on every exit, an exception mid-forward included.
+            if hasattr(policy, "store"):
+                policy.store.token = None
         last = torch.cat(hidden, dim=1)
         out = LoopLMOutput(last_hidden_state=last)
         if compute_logits:
@@ -435,6 +471,9 @@ class LoopLMForCausalLM(LoopLMPreTrainedModel):
         if loss_fn is not None:
             out.loss_terms = loss_fn(self.lm_head, out)
             out.loss = out.loss_terms.total
+            # consumed: N x T tensors [B, L, d] that a wrapper would otherwise copy (Accelerate converts every
+            # output to fp32 under mixed precision) and keep alive until the caller drops the output
+            out.attn_outputs = None
         return out
 
     def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs=None) -> None:

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from melt_eval.modeling.kv_cache import InterpolatedKV, SharedKV
-from melt_eval.modeling.looplm import attention_residual_and_mlp
+from melt_eval.modeling.looplm import attention_residual_and_mlp, compute_dtype
 from melt_eval.modeling.melt import gate_update
 
 Tensor = torch.Tensor
@@ -102,7 +102,7 @@ def token_steps(inner, input_ids: Tensor, position_ids: Tensor, first: int, poli
     (eager: its length varies with the prompt), then one compiled call per token."""
     B, L = input_ids.shape
     x_all = inner.embed_tokens(input_ids)
-    cos, sin = inner.rotary_emb(position_ids, x_all.dtype)
+    cos, sin = inner.rotary_emb(position_ids, compute_dtype(x_all))
     cfg = inner.config
     interpolating = isinstance(policy, InterpolatedKV)
     alpha = torch.tensor(policy.alpha if interpolating else 1.0, dtype=x_all.dtype, device=x_all.device)

@@ -83,11 +83,18 @@ def align_loss(student_attn: list[list[Tensor]], teacher_attn: list[list[Tensor]
     mask = token_mask.bool()
     n_terms = sum(len(per_loop) for per_loop in student_attn)
     total = student_attn[0][0].new_zeros((), dtype=torch.float32)
+    grad = torch.is_grad_enabled() and any(o.requires_grad for per_loop in student_attn for o in per_loop)
     for s_layer, t_layer in zip(student_attn, teacher_attn, strict=True):
         for o_s, o_t in zip(s_layer, t_layer, strict=True):
-            diff = o_s[mask].float() - o_t[mask].detach().float()
-            total = total + diff.pow(2).sum()
+            # checkpointed: backward recomputes the fp32 difference instead of keeping N x T of them
+            # (each [tokens, d] in fp32, twice the bf16 attention outputs it is made from)
+            total = total + (checkpoint(_squared_distance, o_s, o_t.detach(), mask, use_reentrant=False) if grad
+                             else _squared_distance(o_s, o_t, mask))
     return total / n_terms
+
+
+def _squared_distance(o_s: Tensor, o_t: Tensor, mask: Tensor) -> Tensor:
+    return (o_s[mask].float() - o_t[mask].float()).pow(2).sum()
 
 
 LOGIT_BLOCK_ELEMENTS = 2**25  # rows per block x vocabulary: 128 MiB of fp32 logits per block
