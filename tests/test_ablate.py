@@ -112,7 +112,7 @@ def test_a_checkpoint_evaluated_once_is_copied_not_rerun(tmp_path, monkeypatch):
 def test_each_variant_is_defined_once_and_read_by_ablate_and_the_report():
     """variants.py is the one definition: ablate plans exactly its variants with its overrides and options,
     and the report labels them (and picks fallbacks) from it."""
-    from melt_eval.experiments import variants
+    from melt_eval.protocol import variants
     from melt_eval.report import paper
 
     for ablation, definition in variants.ABLATIONS.items():
@@ -148,7 +148,7 @@ def test_library_modules_import_no_typer():
     import subprocess
     import sys
 
-    code = ("import sys; import melt_eval.experiments.ablations, melt_eval.experiments.demo, melt_eval.experiments.variants, "
+    code = ("import sys; import melt_eval.experiments.ablations, melt_eval.experiments.demo, melt_eval.protocol.variants, "
             "melt_eval.report.tables, melt_eval.report.render, melt_eval.report.write, melt_eval.report.memory, "
             "melt_eval.training.runs; print(sorted(m for m in sys.modules if m.split('.')[0] in ('typer', 'vllm')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout

@@ -12,11 +12,11 @@ from melt_eval.generation.engine import (
     GenerationRequestError,
     cache_bytes_per_row,
     default_cache_budget,
-    parse_bytes,
     plan_waves,
 )
 from melt_eval.generation.options import InferenceOptions
 from melt_eval.modeling import LoopLMConfig, LoopLMForCausalLM, MeltConfig, MeltForCausalLM
+from melt_eval.units import parse_bytes
 
 from helpers import main_exit_code as _main
 

@@ -80,7 +80,8 @@ def test_paper_numbers_reproduce_the_papers_tables_cell_for_cell(key, paper_only
 
 def write_paper_as_results(root: Path) -> None:
     """Test fixture: the paper's numbers written as results.json files (fractions, as `run` writes them)."""
-    from melt_eval.report.paper import ABLATIONS, MAIN_MODELS, benchmark_metrics, paper_results
+    from melt_eval.protocol.labels import MAIN_MODELS
+    from melt_eval.report.paper import ABLATIONS, benchmark_metrics, paper_results
 
     pr = paper_results()
     main = pr["main_comparison"]

@@ -7,7 +7,7 @@ import torch
 
 from melt_eval.errors import UserError
 from melt_eval.modeling import MeltForCausalLM
-from melt_eval.experiments.variants import GATE_VARIANTS, LADDER, training_steps
+from melt_eval.protocol.variants import GATE_VARIANTS, LADDER, training_steps
 from melt_eval.training import load_recipe
 from melt_eval.training.losses import align_loss, generalized_jsd, kd_loss, sft_loss
 from melt_eval.training.runner import forward_objective, lr_factor, param_groups

@@ -65,8 +65,8 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Evaluate a model with LightEval and the paper's protocol; resumable."""
         from melt_eval.evaluation import BackendSettings, RunPaths, run_tasks
-        from melt_eval.generation.engine import parse_bytes
         from melt_eval.generation.options import InferenceOptions, Sampling
+        from melt_eval.units import parse_bytes
 
         options = InferenceOptions(
             loops=loops, kv_sharing=kv_sharing, share_prompt=share_prompt, prefill_chunk=prefill_chunk,
@@ -129,12 +129,12 @@ def register(app: typer.Typer) -> None:
     @app.command("tasks")
     def tasks_cmd(fmt: str = typer.Option("table", "--format", help="table | json")) -> None:
         """The benchmarks: problems, metrics, samples per problem, source."""
-        from melt_eval.evaluation.tasks import GROUPS, SPECS
+        from melt_eval.protocol.tasks import BENCHMARKS, GROUPS
 
         rows = [
             {"task": s.name, "problems": s.num_problems, "metrics": s.metric_names, "samples": s.samples,
              "max_new_tokens": s.max_new_tokens, "source": s.hf_repo or "built in", "note": s.note}
-            for s in SPECS.values()
+            for s in BENCHMARKS.values()
         ]
         if fmt == "json":
             typer.echo(json.dumps({"tasks": rows, "groups": GROUPS}, indent=2))

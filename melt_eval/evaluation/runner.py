@@ -32,9 +32,10 @@ from melt_eval.evaluation.lighteval_model import (
     VllmBackend,
     problem_key,
 )
-from melt_eval.evaluation.tasks import SPECS, TaskSpec, expand, metric_name, task_config
+from melt_eval.evaluation.tasks import SPECS, TaskSpec, metric_name, task_config
 from melt_eval.files import DirLock, clear_directory, write_json_atomic, write_text_atomic
 from melt_eval.generation.options import InferenceOptions, Sampling
+from melt_eval.protocol.tasks import expand
 from melt_eval.provenance import package_versions
 
 BACKENDS = ("native", "vllm", "endpoint")
@@ -431,7 +432,7 @@ def run_tasks(
 
 
 def _run_one(spec, rows, loaded: LoadedModel, options: InferenceOptions, identity, task_dir: Path, progress: bool) -> dict:
-    from melt_eval.evaluation.progress import task_progress
+    from melt_eval.progress import task_progress
 
     store = CompletionStore(task_dir / "completions.jsonl")
     started = time.perf_counter()

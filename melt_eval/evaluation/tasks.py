@@ -1,10 +1,10 @@
 """The paper's benchmarks as LightEval tasks, plus the demo's synthetic task.
 
-Each task is one `TaskSpec` in `SPECS`, carrying its behaviour as data, as LightEval's
-`LightevalTaskConfig` does: its prompt function, its metrics (a function of the sample count)
-and how an answer is read from a completion (for the per-problem details). A new task is one
-entry here; `task_config` turns it into LightEval's config, `lighteval_cli_table` into the table
-LightEval's own CLI loads (`tasks/melt_tasks.py`).
+Each task is one `TaskSpec` in `SPECS`: its protocol (`melt_eval.protocol.tasks`: source, samples,
+problems, limits) with its behaviour as data, as LightEval's `LightevalTaskConfig` does: its prompt
+function, its metrics (a function of the sample count) and how an answer is read from a completion
+(for the per-problem details). A new task is one entry there and one here; `task_config` turns it into
+LightEval's config, `lighteval_cli_table` into the table LightEval's own CLI loads (`tasks/melt_tasks.py`).
 
 Prompts and answer extraction are LightEval's own (its AIME and MATH-500 templates, its
 math-verify based `pass@k` metric, its letter-extraction for multiple choice); the
@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import random
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Callable
 
 import numpy as np
@@ -39,32 +39,19 @@ from lighteval.tasks.tasks.mmlu_redux import mmlu_redux_2_prompt
 from melt_eval.evaluation.code import extract_code, humaneval_prompt, humaneval_score
 from melt_eval.evaluation.hle import final_answer, hle_prompt, hle_score, select_subset
 from melt_eval import synthetic
-
-PAPER_MAX_NEW_TOKENS = 32768
+from melt_eval.protocol.tasks import BENCHMARKS, Benchmark
 
 
 @dataclass(frozen=True)
-class TaskSpec:
-    """A task: where its rows come from, the paper's protocol, and its behaviour (prompt, metrics, answer)."""
+class TaskSpec(Benchmark):
+    """A task: its protocol (where its rows come from, the paper's samples, metrics and limits) and its
+    behaviour (prompt, metrics, answer)."""
 
-    name: str
-    hf_repo: str | None  # None: built in (no download)
-    hf_subset: str
-    split: str
-    samples: int  # samples per problem (the paper's)
-    kind: str  # "math" | "choice" | "code" | "judge-free": the --data-dir schema; "code" runs in the sandbox
     prompt: Callable = field(kw_only=True, compare=False)  # (row, task name) -> LightEval Doc
     metrics: Callable = field(kw_only=True, compare=False)  # samples n -> LightEval metrics (the first scores details)
     extract: Callable = field(kw_only=True, compare=False)  # (doc, completion, scorer) -> what the metric read
-    max_new_tokens: int = PAPER_MAX_NEW_TOKENS
-    num_problems: int | None = None  # the evaluation split's size, where fixed
-    note: str = ""
     select: object = field(default=None, compare=False)  # rows -> the evaluated rows (a fixed subset)
     hub_filter: object = field(default=None, compare=False)  # rows LightEval's own loader keeps (its CLI only)
-
-    @property
-    def metric_names(self) -> list[str]:
-        return ["pass@1", "pass@10"] if self.samples > 1 else ["accuracy"]
 
 
 # ---------------------------------------------------------------- rows -> Docs
@@ -205,48 +192,27 @@ def final_answer_line(doc: Doc, text: str, scorer) -> str | None:
 
 MATH = dict(prompt=_math_prompt(MATH_PROMPT_TEMPLATE), metrics=math_pass_at_k, extract=lighteval_answer)
 
-SPECS: dict[str, TaskSpec] = {
-    s.name: s
-    for s in [
-        TaskSpec("aime24", "HuggingFaceH4/aime_2024", "default", "train", 16, "math", **MATH, num_problems=30),
-        TaskSpec("aime25", "yentinglin/aime_2025", "default", "train", 16, "math", **MATH, num_problems=30),
-        TaskSpec("aime26", "MathArena/aime_2026", "default", "train", 16, "math", **MATH, num_problems=30,
-                 note="Hub copy assumed at MathArena/aime_2026; pass --data-dir with aime26.jsonl otherwise"),
-        TaskSpec("amc23", "math-ai/amc23", "default", "test", 16, "math", **MATH, num_problems=40),
-        TaskSpec("math500", "HuggingFaceH4/MATH-500", "default", "test", 1, "math",
-                 prompt=_math_prompt(MATH_QUERY_TEMPLATE), metrics=math_accuracy, extract=lighteval_answer,
-                 num_problems=500),
-        TaskSpec("olympiadbench", "Hothan/OlympiadBench", "OE_TO_maths_en_COMP", "train", 1, "math",
-                 prompt=MATH["prompt"], metrics=math_accuracy, extract=lighteval_answer, num_problems=674,
-                 note="text-only English competition math (674 rows; the paper reports 581)"),
-        TaskSpec("gpqa", "Idavidrein/gpqa", "gpqa_main", "train", 1, "choice",
-                 prompt=gpqa_prompt, metrics=gpqa_accuracy, extract=lighteval_answer, num_problems=448,
-                 note="main set, options shuffled deterministically per question"),
-        TaskSpec("mmlu_redux", "edinburgh-dawg/mmlu-redux-2.0", "*", "test", 1, "choice",
-                 prompt=mmlu_redux_prompt, metrics=letter_accuracy, extract=lighteval_answer, num_problems=5700,
-                 note="all 57 subjects (100 each), LightEval's prompt per subject, letter extraction"),
-        TaskSpec("hle", "cais/hle", "default", "test", 1, "judge-free",
-                 prompt=hle_prompt, metrics=hle_accuracy, extract=final_answer_line, num_problems=300,
-                 note="fixed text-only subset: first 300 by sha256(id); letter / math-verify scoring, no paid judge",
-                 select=select_subset, hub_filter=_text_only),
-        TaskSpec("humaneval", "openai/openai_humaneval", "default", "test", 1, "code",
-                 prompt=humaneval_prompt, metrics=humaneval_accuracy, extract=code_answer, num_problems=164,
-                 note="unit tests run in a sandboxed child process (no network, time/CPU/memory/output limits)"),
-        TaskSpec("synthetic", None, "default", "test", 16, "math",
-                 prompt=synthetic_prompt, metrics=math_pass_at_k, extract=lighteval_answer, max_new_tokens=96,
-                 num_problems=100, note="built in: digit-sum chains worked step by step (melt_eval.synthetic)"),
-    ]
+# Each benchmark's behaviour; its protocol is melt_eval.protocol.tasks.BENCHMARKS.
+BEHAVIOUR: dict[str, dict] = {
+    "aime24": MATH,
+    "aime25": MATH,
+    "aime26": MATH,
+    "amc23": MATH,
+    "math500": dict(prompt=_math_prompt(MATH_QUERY_TEMPLATE), metrics=math_accuracy, extract=lighteval_answer),
+    "olympiadbench": dict(prompt=MATH["prompt"], metrics=math_accuracy, extract=lighteval_answer),
+    "gpqa": dict(prompt=gpqa_prompt, metrics=gpqa_accuracy, extract=lighteval_answer),
+    "mmlu_redux": dict(prompt=mmlu_redux_prompt, metrics=letter_accuracy, extract=lighteval_answer),
+    "hle": dict(prompt=hle_prompt, metrics=hle_accuracy, extract=final_answer_line, select=select_subset,
+                hub_filter=_text_only),
+    "humaneval": dict(prompt=humaneval_prompt, metrics=humaneval_accuracy, extract=code_answer),
+    "synthetic": dict(prompt=synthetic_prompt, metrics=math_pass_at_k, extract=lighteval_answer),
 }
+
+SPECS: dict[str, TaskSpec] = {name: TaskSpec(**asdict(b), **BEHAVIOUR[name]) for name, b in BENCHMARKS.items()}
 
 # The distribution the demo trains on: the reply (a worked step per line, at most 82 tokens with the
 # chat template's end) is 3.2-4.3x its prompt, so generated tokens dominate the cache as in the paper.
 SYNTHETIC_TEST = dict(n=100, seed=0, num_steps=(5, 7), max_value=9, form="digit-sum")
-
-GROUPS: dict[str, list[str]] = {
-    "paper": ["aime24", "aime25", "aime26", "amc23", "math500", "olympiadbench", "gpqa", "hle", "mmlu_redux", "humaneval"],
-    "math": ["aime24", "aime25", "aime26", "amc23", "math500", "olympiadbench"],
-    "ablation": ["aime24", "aime25", "amc23", "math500"],
-}
 
 
 def metric_name(lighteval_name: str, spec: TaskSpec) -> str:
@@ -316,22 +282,3 @@ def lighteval_cli_table() -> list[LightevalTaskConfig]:
         else:
             table.append(task_config(spec, name=f"melt_{spec.name}", hf_filter=spec.hub_filter))
     return table
-
-
-def expand(names: str | list[str]) -> list[str]:
-    """Task names and groups -> task names, in order, without repeats."""
-    from melt_eval.errors import UserError
-
-    items = names.split(",") if isinstance(names, str) else list(names)
-    out: list[str] = []
-    for item in (i.strip() for i in items):
-        if not item:
-            continue
-        for name in GROUPS.get(item, [item]):
-            if name not in SPECS:
-                known = ", ".join(list(SPECS) + list(GROUPS))
-                hint = " (not built yet in this version)" if name in GROUPS["paper"] else ""
-                raise UserError(f"unknown task {name!r}{hint}; known tasks and groups: {known}")
-            if name not in out:
-                out.append(name)
-    return out

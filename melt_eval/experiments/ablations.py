@@ -1,6 +1,6 @@
 """The paper's ablation tables as resumable plans (`melt-eval ablate`, and the demo's ablations).
 
-A plan is a list of variants (`melt_eval.experiments.variants`); each is zero or more training runs
+A plan is a list of variants (`melt_eval.protocol.variants`); each is zero or more training runs
 (phase 1, maybe phase 2) and one evaluation. Training runs are named by what they compute (recipe,
 overrides, starting point), so a run two tables share is trained once: the gate table's
 `elementwise` row, the component ladder's `no-align` row and phase 1 of its `full` row are the same
@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from melt_eval.errors import UserError
-from melt_eval.experiments import variants as definitions
+from melt_eval.protocol import variants as definitions
 from melt_eval.training.config import ADDED_FIELDS, EXECUTION_FIELDS, load_recipe
 from melt_eval.training.runs import FINISHED, INTERRUPTED, run_state, train_command
 
@@ -244,7 +244,7 @@ def _side_by_side() -> None:
 
     import torch
 
-    from melt_eval.evaluation.progress import PLAIN_ENV
+    from melt_eval.progress import PLAIN_ENV
 
     os.environ[PLAIN_ENV] = "1"
     torch.set_num_threads(1)
@@ -317,7 +317,7 @@ def _evaluate(e: Evaluation, tasks: str, backend: str, progress: bool, eval_kwar
 
 def _finished(results_dir: Path, tasks: str) -> bool:
     """Every task's results.json says finished (run_tasks still checks that its settings match)."""
-    from melt_eval.evaluation.tasks import expand
+    from melt_eval.protocol.tasks import expand
 
     for task in expand(tasks):
         try:
@@ -329,7 +329,7 @@ def _finished(results_dir: Path, tasks: str) -> bool:
 
 
 def _copy_results(src: Path, dst: Path, name: str, tasks: str) -> None:
-    from melt_eval.evaluation.tasks import expand
+    from melt_eval.protocol.tasks import expand
     from melt_eval.files import write_json_atomic
 
     for task in expand(tasks):

@@ -7,9 +7,6 @@ from typing import Optional
 
 import typer
 
-from melt_eval.experiments import ablations
-from melt_eval.experiments.demo import default_output, run_demo
-
 
 def register(app: typer.Typer) -> None:
     @app.command()
@@ -38,7 +35,8 @@ def register(app: typer.Typer) -> None:
         from rich.console import Console
         from rich.table import Table
 
-        from melt_eval.evaluation.tasks import expand
+        from melt_eval.experiments import ablations
+        from melt_eval.protocol.tasks import expand
 
         variants = ablations.plan(ablation, preset, base, {"max_steps": max_steps} if max_steps else None)
         tasks = tasks or ablations.PRESETS[preset]["tasks"]
@@ -79,5 +77,7 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """A miniature reproduction on the CPU: teacher, MELT, every ablation, every table and figure, and
         the paper's claims checked against the numbers."""
+        from melt_eval.experiments.demo import default_output, run_demo
+
         run_demo(output or default_output(quick, seed), quick=quick, progress=progress, seed=seed, jobs=jobs,
                  compile=compile)

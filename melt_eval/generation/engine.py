@@ -36,6 +36,7 @@ from melt_eval.kv_bytes import kv_cache_bytes
 from melt_eval.modeling.kv_cache import PerLoopKV, PromptPerLoopThenSharedKV, StaticStore
 from melt_eval.modeling.looplm import LoopLMForCausalLM
 from melt_eval.modeling.melt import MeltForCausalLM
+from melt_eval.units import format_bytes
 
 Tensor = torch.Tensor
 
@@ -84,30 +85,6 @@ def draw_uniforms(generators: Sequence[torch.Generator], steps: int) -> Tensor:
     """[rows, steps] uniform draws, row r's from its own generator: a row's tokens do not depend on
     which rows share its batch or wave."""
     return torch.stack([torch.rand(steps, generator=g, device=g.device, dtype=torch.float64) for g in generators])
-
-
-def format_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} PiB"
-
-
-def parse_bytes(text: str | int) -> int:
-    """`--max-cache-bytes`: a byte count, optionally with a unit (`512MiB`, `40GB`, `1.5GiB`)."""
-    units = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-             "k": 2**10, "kib": 2**10, "m": 2**20, "mib": 2**20, "g": 2**30, "gib": 2**30, "tib": 2**40}
-    raw = str(text).strip().lower().replace("_", "")
-    number = raw.rstrip("abcdefghijklmnopqrstuvwxyz ")
-    unit = raw[len(number):].strip()
-    try:
-        value = float(number) * units[unit]
-    except (ValueError, KeyError):
-        raise UserError(f"--max-cache-bytes {text!r} is not a size; give bytes, optionally with a unit (512MiB, 40GB)") from None
-    if not math.isfinite(value) or value < 1:
-        raise UserError(f"--max-cache-bytes must be a positive size, got {text!r}")
-    return int(value)
 
 
 def free_device_bytes(device) -> int:

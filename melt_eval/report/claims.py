@@ -35,7 +35,7 @@ import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from melt_eval.experiments import variants
+from melt_eval.protocol import variants
 from melt_eval.report.results import Result, ResultSet, load_results
 
 KEEP = 0.90  # claim 1
@@ -391,7 +391,8 @@ CHECKS = [
 
 
 def _paper_checks() -> list[tuple[str | None, bool | None]]:
-    from melt_eval.report.paper import ABLATIONS, MAIN_MODELS, paper_memory, paper_results
+    from melt_eval.protocol.labels import MAIN_MODELS
+    from melt_eval.report.paper import ABLATIONS, paper_memory, paper_results
 
     pr = paper_results()
 

@@ -1,7 +1,8 @@
 """The paper's numbers (a packaged copy of spec/paper_results.json) and how our names map onto them.
 
 Results directories use registry model names and short variant names; the paper's tables use
-display labels. Everything that translates one into the other lives here.
+display labels. The labels, the benchmark groups and the variants are the protocol's
+(`melt_eval.protocol`); matching our names against the paper's numbers lives here.
 """
 
 from __future__ import annotations
@@ -11,7 +12,8 @@ import re
 from functools import lru_cache
 from importlib.resources import files
 
-from melt_eval.experiments.variants import ABLATIONS as VARIANT_DEFINITIONS
+from melt_eval.protocol.labels import BENCHMARK_LABELS
+from melt_eval.protocol.variants import ABLATIONS as VARIANT_DEFINITIONS
 
 
 @lru_cache(maxsize=1)
@@ -22,19 +24,6 @@ def paper_results() -> dict:
 def norm(name: str) -> str:
     """Loose key for matching names across sources: 'Gemma-4-E2B' == 'gemma4-e2b', 'math_500' == 'math500'."""
     return re.sub(r"[^a-z0-9.]", "", name.lower())
-
-
-# Benchmarks in the paper's row order, with the labels its tables print.
-BENCHMARK_LABELS = {
-    "aime24": "AIME24", "aime25": "AIME25", "aime26": "AIME26", "amc23": "AMC23", "math500": "MATH-500",
-    "olympiadbench": "OlympiadBench", "gpqa": "GPQA", "hle": "HLE", "mmlu_redux": "MMLU-Redux",
-    "humaneval": "HumanEval",
-}
-# The main table's two average rows (pass@1, or accuracy for one-sample tasks).
-MATH_BENCHMARKS = ("aime24", "aime25", "aime26", "amc23", "math500", "olympiadbench")
-NON_MATH_BENCHMARKS = ("gpqa", "hle", "mmlu_redux", "humaneval")
-# The ablation tables' columns.
-ABLATION_BENCHMARKS = ("aime24", "aime25", "amc23", "math500")
 
 
 def benchmark_metrics(benchmark: str) -> list[str]:
@@ -50,19 +39,8 @@ def canonical_task(task: str) -> str | None:
     return None
 
 
-# Main comparison: registry model name -> the paper's model key, in the paper's column order.
-MAIN_MODELS = {
-    "ouro-1.4b-thinking": "Ouro-1.4B-Thinking",
-    "melt-1.6b": "MELT-1.6B",
-    "qwen3-1.7b": "Qwen3-1.7B",
-    "gemma4-e2b": "Gemma4-E2B",
-    "qwen3.5-2b": "Qwen3.5-2B",
-    "deepseek-r1-1.5b": "DeepSeek-R1-1.5B",
-}
-
-
 # Ablations: variant directory name -> (key in paper_results.json, label as the paper prints it), in the
-# paper's row order; each variant is defined once, in melt_eval.experiments.variants.
+# paper's row order; each variant is defined once, in melt_eval.protocol.variants.
 ABLATIONS = {
     a.name: {"section": a.section, "title": a.title, "stub": a.stub,
              "variants": {v.name: (v.paper_key, v.paper_label) for v in a.variants}}

@@ -20,9 +20,10 @@ from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
+from melt_eval.protocol.labels import MAIN_MODELS
 from melt_eval.registry import MODELS
 from melt_eval.report.memory import GB, MB, kv_bytes_per_token_at, memory_row
-from melt_eval.report.paper import MAIN_MODELS, paper_memory, paper_results
+from melt_eval.report.paper import paper_memory, paper_results
 from melt_eval.report.results import ResultSet
 
 MELT_COLOUR, OTHER_COLOUR = "#d62728", "#1f77b4"

@@ -7,20 +7,12 @@ as printed, so ties that print alike are marked alike, as in the paper. `melt_ev
 
 from __future__ import annotations
 
+from melt_eval.protocol.labels import BENCHMARK_LABELS, MAIN_MODELS
+from melt_eval.protocol.tasks import ABLATION_BENCHMARKS, MATH_BENCHMARKS, NON_MATH_BENCHMARKS
 from melt_eval.registry import MODELS
 from melt_eval.report.mistakes import mistakes_table
 from melt_eval.report.memory import GB, MB, memory_table, paper_notes
-from melt_eval.report.paper import (
-    ABLATION_BENCHMARKS,
-    ABLATION_FALLBACKS,
-    ABLATIONS,
-    BENCHMARK_LABELS,
-    MAIN_MODELS,
-    MATH_BENCHMARKS,
-    NON_MATH_BENCHMARKS,
-    benchmark_metrics,
-    paper_results,
-)
+from melt_eval.report.paper import ABLATION_FALLBACKS, ABLATIONS, benchmark_metrics, paper_results
 from melt_eval.report.render import NA, Cell, Row, Table
 from melt_eval.report.results import ResultSet
 

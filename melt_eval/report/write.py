@@ -22,10 +22,10 @@ def write_report(results: Path, output: Path, *, latex: bool = True, markdown: b
 
     rs = load_results(results)
     if plot_task is not None:  # a typo must not draw an empty figure
-        from melt_eval.evaluation.tasks import SPECS
+        from melt_eval.protocol.tasks import BENCHMARKS
         from melt_eval.report.paper import canonical_task
 
-        known = set(SPECS) | {t for _, t in rs.main} | {r.task for r in rs.every}
+        known = set(BENCHMARKS) | {t for _, t in rs.main} | {r.task for r in rs.every}
         if (canonical_task(plot_task) or plot_task) not in known:
             raise UserError(f"--plot-task {plot_task!r} is not a task; choose one of {', '.join(sorted(known))}")
         plot_task = canonical_task(plot_task) or plot_task

@@ -657,7 +657,7 @@ def _status(record: dict) -> str:
 
 
 def _progress(enabled: bool):
-    from melt_eval.evaluation.progress import training_progress
+    from melt_eval.progress import training_progress
 
     return training_progress(enabled)  # a bar on a terminal, plain lines at a fixed cadence in a log
 

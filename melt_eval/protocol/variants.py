@@ -17,7 +17,7 @@ Component-removal ladder, on the chosen recipes (paper-phase1/2 or tiny-phase1/2
 Gate ablations are phase-1 runs with another gate (the paper: "Gate ablations use phase 1 only").
 The KV-sharing variants are Ouro evaluated as is, reusing one loop's KV in every loop.
 
-    from melt_eval.experiments.variants import training_steps
+    from melt_eval.protocol.variants import training_steps
     for phase, recipe, overrides in training_steps("no-interp", base="tiny"):
         ...  # melt_eval.training.run_recipe(recipe, from_model=..., output=..., overrides=overrides)
 
