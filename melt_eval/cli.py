@@ -4,21 +4,70 @@ Each area of the harness owns its commands in a command module with `register(ap
 stays a table of contents: the model registry (`models`), evaluation (`run`, `score`, `tasks`), vLLM
 serving (`serve`), training (`train`), the report (`report`, `memory`) and the experiments (`ablate`,
 `demo`). Library modules never import typer; only these command modules do.
+
+Starting is light: command modules import what their commands need inside the commands, so
+`melt-eval --help`, `melt-eval tasks` and `melt-eval models` load neither torch nor transformers
+(tests/test_imports.py). This file, at the top, is also where the report's `memory --measure vllm` is
+wired to the vLLM backend, so the report never imports a backend.
 """
 
 from __future__ import annotations
 
+import importlib
+import importlib.machinery
+import importlib.util
+import os
 import sys
 
 import typer
 
-from melt_eval import serve
 from melt_eval.errors import UserError
-from melt_eval.evaluation import cli as evaluation_cli
-from melt_eval.experiments import cli as experiments_cli
-from melt_eval.modeling import cli as modeling_cli
-from melt_eval.report import cli as report_cli
-from melt_eval.training import cli as training_cli
+
+# The command modules, in the order `melt-eval --help` lists their commands.
+COMMAND_MODULES = (
+    "melt_eval.modeling.cli",
+    "melt_eval.evaluation.cli",
+    "melt_eval.serve",
+    "melt_eval.training.cli",
+    "melt_eval.report.cli",
+    "melt_eval.experiments.cli",
+)
+# Packages whose __init__ loads torch: melt_eval.modeling registers its model classes with transformers,
+# melt_eval.training re-exports its runner. Their command modules are loaded from their own files, without
+# that __init__, which runs as usual once a command imports the package's library. When those packages
+# start light, this set empties and every command module is imported plainly.
+HEAVY_PACKAGE_INIT = {"melt_eval.modeling", "melt_eval.training"}
+
+
+def command_module(name: str):
+    """Import the command module `name`; in a HEAVY_PACKAGE_INIT package (not yet imported), without its __init__."""
+    package = name.rpartition(".")[0]
+    if name in sys.modules or package not in HEAVY_PACKAGE_INIT or package in sys.modules:
+        return importlib.import_module(name)
+    import melt_eval
+
+    where = [os.path.join(p, package.rpartition(".")[2]) for p in melt_eval.__path__]
+    spec = importlib.machinery.PathFinder.find_spec(name, where)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[name]
+        raise
+    return module
+
+
+def vllm_measure_kv():
+    """`memory --measure vllm`'s measurement: the vLLM backend's `measure_kv`, imported on use (vLLM is optional)."""
+    from melt_eval.generation.vllm_backend import measure_kv
+
+    return measure_kv
+
+
+# What a command module is given besides the app: the parts of other layers its commands call.
+WIRING = {"melt_eval.report.cli": {"load_measure_kv": vllm_measure_kv}}
+
 
 app = typer.Typer(
     name="melt-eval",
@@ -34,8 +83,8 @@ def _root() -> None:
     """Train, ablate and evaluate MELT and its baselines."""
 
 
-for _commands in (modeling_cli, evaluation_cli, serve, training_cli, report_cli, experiments_cli):
-    _commands.register(app)
+for _name in COMMAND_MODULES:
+    command_module(_name).register(app, **WIRING.get(_name, {}))
 
 
 def main() -> None:

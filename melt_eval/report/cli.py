@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import typer
 
@@ -13,7 +13,10 @@ from melt_eval.report.render import print_tables, render_latex, render_markdown
 from melt_eval.report.write import write_report
 
 
-def register(app: typer.Typer) -> None:
+def register(app: typer.Typer, *, load_measure_kv: Callable[[], Callable] | None = None) -> None:
+    """The report's commands on `app`. `load_measure_kv` returns the vLLM backend's `measure_kv` (what
+    `memory --measure vllm` reads); the caller wires it in (melt_eval.cli), so the report never imports a backend."""
+
     @app.command()
     def report(
         latex: bool = typer.Option(False, "--latex", help="Write report.tex (booktabs, compiles standalone)."),
@@ -99,7 +102,7 @@ def register(app: typer.Typer) -> None:
         names = [m.strip() for m in models.split(",") if m.strip()] if models else None
         rows = mem.memory_table(names, contexts)
         if measure == "vllm":
-            measured = measure_with_vllm([r.model for r in rows])
+            measured = measure_with_vllm([r.model for r in rows], load_measure_kv)
             for r in rows:
                 r.measured = measured.get(r.model)
         if fmt == "json":
@@ -112,15 +115,17 @@ def register(app: typer.Typer) -> None:
             print_tables([mem.as_table(rows, contexts)], width=None if Console().is_terminal else 220)
 
 
-def measure_with_vllm(models: list[str]) -> dict[str, dict]:
+def measure_with_vllm(models: list[str], load_measure_kv: Callable[[], Callable] | None) -> dict[str, dict]:
     """Ask vLLM for the per-token KV size it allocates (the paper's method); keyed by model name.
 
-    The measurement lives in melt_eval.generation.vllm_backend (docs/CONTRACTS.md) and is wired here, in the
-    command, so the report layer never imports vLLM; a missing vLLM or a build without that module is one
-    clear error, never a traceback.
+    The measurement lives in melt_eval.generation.vllm_backend (docs/CONTRACTS.md); `load_measure_kv` imports
+    it, wired in by the command line's top (melt_eval.cli), so the report layer never imports vLLM or a
+    backend. A missing vLLM or a build without that module is one clear error, never a traceback.
     """
     try:
-        from melt_eval.generation.vllm_backend import measure_kv
+        if load_measure_kv is None:
+            raise ImportError("no vLLM backend wired in")
+        measure_kv = load_measure_kv()
     except ImportError as exc:
         raise UserError(
             f"--measure vllm is unavailable here ({exc}); install vLLM with pip install 'melt-eval[vllm]' (GPU) or "
