@@ -8,10 +8,12 @@ training step (forward with the SFT objective, backward) is measured two ways:
 - peak_rss_bytes: the peak resident memory of a child process that builds the model and runs
   the step (`ru_maxrss`), beside `base_rss_bytes`, the same child's resident memory before it.
 
-Then a projection for the paper's phase-1 step (MELT-1.6B: Ouro-1.4B shape + elementwise
-gates, L = 10,000, C = 500, bf16 activations, the frozen teacher and all-loop KD): the saved
-activations are counted by running the real training forward on the meta device (shapes
-only, no memory), everything else is arithmetic stated beside it.
+Then projections for the paper's phase-1 and phase-2 steps (MELT-1.6B: Ouro-1.4B shape + elementwise
+gates, L = 10,000, C = 500, fp32 weights under bf16 autocast as the runner trains, the frozen teacher
+and all-loop KD, phase 2 with attention alignment): the saved activations are counted on real
+autocast tensors at one and two layers and extrapolated (beside the meta-device count for bf16
+activations), everything else is arithmetic stated beside it. `benchmarks/gpu.py` measures the
+real step on a GPU.
 
     python benchmarks/train_memory.py [--quick] [--json] [--no-projection]
 """
@@ -101,13 +103,29 @@ def measure(seq_len: int, chunk: int) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def projection(seq_len=10_000, chunk=500, checkpointing=True) -> dict:
-    """Phase-1 step of MELT-1.6B on one GPU: saved activations from a meta-device forward, the rest by arithmetic."""
+def saved_under_autocast(phase: int, seq_len: int = 64, chunk: int = 16) -> float:
+    """Saved activation bytes per token of the paper-width model as the runner trains it: fp32 weights
+    under bf16 autocast, where the residual stream stays fp32 (a bf16 meta-device count misses that).
+    Counted on real CPU tensors at N = 1 and 2 layers (vocabulary 512: the embedding saves only ids) and
+    extrapolated to N = 24 as a per-loop part plus a per-layer part; per token it is constant in L."""
+    per_token = {}
+    for n in (1, 2):
+        model = build_melt({**OURO_1_4B, "num_hidden_layers": n, "vocab_size": 512})
+        ids = torch.randint(0, 512, (1, seq_len), generator=torch.Generator().manual_seed(0))
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            per_token[n] = saved_bytes(model, lambda: model(
+                ids, chunk_size=chunk, alpha=0.5 if phase == 1 else 1.0, output_loop_states=True,
+                output_attn_outputs=phase == 2, compute_logits=False).hidden_states) / seq_len
+        del model
+    per_layer = per_token[2] - per_token[1]
+    return per_token[1] + (OURO_1_4B["num_hidden_layers"] - 1) * per_layer
+
+
+def meta_forward(phase: int, seq_len: int, chunk: int, checkpointing: bool) -> tuple[int, int]:
+    """(saved bytes, KV buffer bytes) of the bf16 model's training forward on the meta device (shapes only)."""
     from melt_eval.modeling.kv_cache import TrainingKVBuffer
 
     model = build_melt(OURO_1_4B, device="meta", checkpointing=checkpointing).to(torch.bfloat16)
-    cfg = model.config
-    d, T = cfg.hidden_size, cfg.total_ut_steps
     ids = torch.zeros(1, seq_len, dtype=torch.long, device="meta")
     buffers = {}
     real_init = TrainingKVBuffer.__init__
@@ -118,28 +136,49 @@ def projection(seq_len=10_000, chunk=500, checkpointing=True) -> dict:
 
     TrainingKVBuffer.__init__ = spy
     try:
-        # alpha < 1 (phase 1's transition): both KV sets, the larger case; loop states for KD
-        saved = saved_bytes(None, lambda: model(ids, chunk_size=chunk, alpha=0.5, output_loop_states=True,
+        # phase 1 at alpha < 1 (its transition): both KV sets, the larger case; loop states for KD
+        saved = saved_bytes(None, lambda: model(ids, chunk_size=chunk, alpha=0.5 if phase == 1 else 1.0,
+                                                output_loop_states=True, output_attn_outputs=phase == 2,
                                                 compute_logits=False).hidden_states)
     finally:
         TrainingKVBuffer.__init__ = real_init
-    kv_buffer = buffers["store"].nbytes
+    return saved, buffers["store"].nbytes
+
+
+def projection(phase: int = 1, seq_len=10_000, chunk=500, checkpointing=True) -> dict:
+    """A phase-1 or phase-2 step of MELT-1.6B on one GPU as `melt-eval train` runs it under bf16 (fp32 weights
+    and AdamW, bf16 autocast, frozen bf16 teacher, all-loop KD; phase 2 adds attention alignment): saved
+    activations counted (meta device for bf16 activations, real autocast tensors for the runner's), the
+    rest by arithmetic stated beside it."""
+    cfg = build_melt(OURO_1_4B, device="meta", checkpointing=False).config
+    d, T, N = cfg.hidden_size, cfg.total_ut_steps, cfg.num_hidden_layers
+    meta_saved, kv_buffer = meta_forward(phase, seq_len, chunk, checkpointing)
+    autocast_saved = saved_under_autocast(phase) * seq_len
+    model = build_melt(OURO_1_4B, device="meta", checkpointing=False)
     params = sum(p.numel() for p in model.parameters())
     teacher_params = params - sum(p.numel() for p in model.gate_parameters())
-    bf16 = 2
+    bf16, fp32 = 2, 4
+    keys = "T x N mixed" if phase == 1 else "N shared"
     parts = {
-        "saved_activations (meta-device forward, exact)": saved,
-        "kv_buffers (entries, alpha < 1: T x N mixed)": kv_buffer,
-        "kv_gradient_buffers (same size, allocated in backward)": kv_buffer,
+        "saved_activations (fp32 weights under bf16 autocast: real tensors at N = 1, 2, extrapolated)": autocast_saved,
+        f"kv_buffers (bf16 entries, {keys})": kv_buffer,
+        "kv_gradient_buffers (fp32, allocated in backward)": 2 * kv_buffer,
         "weights fp32 + grads fp32 + AdamW fp32 (4 + 4 + 8 bytes/param)": params * 16,
         "teacher weights bf16": teacher_params * bf16,
         "teacher loop hidden states for KD (T x L x d, bf16)": T * seq_len * d * bf16,
-        "student loop hidden states kept for KD (T x L x d, bf16)": T * seq_len * d * bf16,
+        "student loop hidden states for KD (T x L x d, fp32 under autocast)": T * seq_len * d * fp32,
         "KD block: student + teacher fp32 logits, log-softmaxes, grad (6 x 2^25 x 4 bytes)": 6 * 2**25 * 4,
     }
-    return {"shape": "MELT-1.6B (Ouro-1.4B + elementwise gates)", "seq_len": seq_len, "chunk_size": chunk,
+    if phase == 2:
+        parts.update({
+            "student attention outputs kept for alignment (N x T x L x d, bf16)": N * T * seq_len * d * bf16,
+            "teacher attention outputs (N x T x L x d, bf16)": N * T * seq_len * d * bf16,
+            "alignment: one (layer, loop) fp32 difference at a time (checkpointed; L x d x 4 bytes x 2)": 2 * seq_len * d * fp32,
+        })
+    return {"shape": "MELT-1.6B (Ouro-1.4B + elementwise gates)", "phase": phase, "seq_len": seq_len, "chunk_size": chunk,
             "activation_checkpointing": checkpointing, "params": params, "parts_bytes": parts,
-            "total_bytes": sum(parts.values()), "saved_bytes_per_token": saved / seq_len}
+            "total_bytes": sum(parts.values()), "saved_bytes_per_token": autocast_saved / seq_len,
+            "saved_bytes_per_token_bf16_activations (meta device)": meta_saved / seq_len}
 
 
 def main(argv=None):
@@ -150,9 +189,9 @@ def main(argv=None):
     args = ap.parse_args(argv)
     lengths = [400, 800] if args.quick else [400, 800, 1600]
     rows = [measure(L, C) for L in lengths for C in (L, L // 20)]
-    proj = None if args.no_projection or args.quick else projection()
+    projections = [] if args.no_projection or args.quick else [projection(phase=1), projection(phase=2)]
     if args.json:
-        print(json.dumps(rows if proj is None else rows + [{"projection": proj}], indent=1))
+        print(json.dumps(rows + [{"projection": p} for p in projections], indent=1))
         return rows
     print(f"training activation memory: MELT tiny (d=128, N=2, T=4), B=1, float32, activation checkpointing, "
           f"{platform.machine()} CPU")
@@ -162,9 +201,9 @@ def main(argv=None):
         ratio = r["saved_bytes_per_token"] / by_len[r["seq_len"]]["saved_bytes_per_token"]
         print(f"{r['seq_len']:>6} {r['chunk_size']:>6} {r['saved_bytes_per_token']:>14,.0f} {ratio:>6.2f}x "
               f"{r['peak_rss_bytes'] / 2**20:>13,.1f} {r['base_rss_bytes'] / 2**20:>13,.1f}")
-    if proj:
-        print(f"\nprojection: {proj['shape']}, L = {proj['seq_len']:,}, C = {proj['chunk_size']}, phase 1 with the teacher "
-              f"and KD, B = 1, bf16 activations, activation checkpointing")
+    for proj in projections:
+        print(f"\nprojection: {proj['shape']}, phase {proj['phase']}, L = {proj['seq_len']:,}, C = {proj['chunk_size']}, "
+              f"with the teacher and KD, B = 1, fp32 weights under bf16 autocast, activation checkpointing")
         for name, b in proj["parts_bytes"].items():
             print(f"  {b / 1e9:>7.2f} GB  {name}")
         print(f"  {proj['total_bytes'] / 1e9:>7.2f} GB  total (80 GB H100: {'fits' if proj['total_bytes'] < 80e9 else 'does not fit'})")

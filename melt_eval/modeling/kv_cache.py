@@ -28,6 +28,7 @@ interpolated cache (alpha < 1).
 
 from __future__ import annotations
 
+import contextlib
 from typing import Hashable
 
 import torch
@@ -58,7 +59,9 @@ def chunk_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(c, s))
 
 
-def _autocast_state(device_type: str) -> tuple[str, bool, torch.dtype]:
+def _autocast_state(device_type: str) -> tuple[str, bool, torch.dtype | None]:
+    if not torch.amp.is_autocast_available(device_type):  # the meta device (memory projections)
+        return device_type, False, None
     return device_type, torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type)
 
 
@@ -100,7 +103,8 @@ class _PrefixAttention(torch.autograd.Function):
         store, key, past = ctx.store, ctx.key, ctx.past
         kb, vb = store.buffers[key]
         device_type, enabled, dtype = ctx.autocast
-        with torch.enable_grad(), torch.autocast(device_type, enabled=enabled, dtype=dtype):
+        amp = torch.autocast(device_type, enabled=enabled, dtype=dtype) if dtype is not None else contextlib.nullcontext()
+        with torch.enable_grad(), amp:
             q_ = q.detach().requires_grad_()
             k_all = torch.cat([kb[:, :, :past], k.detach()], dim=2).requires_grad_()
             v_all = torch.cat([vb[:, :, :past], v.detach()], dim=2).requires_grad_()

@@ -108,7 +108,7 @@ def compute_dtype(x: Tensor) -> torch.dtype:
     the projections' dtype, or RoPE promotes q and k back to fp32 and they no longer match v
     (SDPA's lower-right causal path checks that before autocast could cast them)."""
     device_type = x.device.type
-    if torch.is_autocast_enabled(device_type):
+    if torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type):
         return torch.get_autocast_dtype(device_type)
     return x.dtype
 
@@ -141,10 +141,10 @@ class RotaryEmbedding(nn.Module):
         return inv_freq
 
     def forward(self, position_ids: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-        with torch.autocast(position_ids.device.type, enabled=False):
-            freqs = position_ids[..., None].float() * self.fp32_inv_freq()  # [B, c, dim/2]
-            emb = torch.cat([freqs, freqs], dim=-1)
-            return emb.cos().to(dtype)[:, None], emb.sin().to(dtype)[:, None]  # [B, 1, c, dim]
+        # elementwise fp32 ops: autocast leaves them in fp32
+        freqs = position_ids[..., None].float() * self.fp32_inv_freq()  # [B, c, dim/2]
+        emb = torch.cat([freqs, freqs], dim=-1)
+        return emb.cos().to(dtype)[:, None], emb.sin().to(dtype)[:, None]  # [B, 1, c, dim]
 
 
 def rotate_half(x: Tensor) -> Tensor:
@@ -337,6 +337,14 @@ class LoopLMModel(nn.Module):
         return (allowed | own)[:, None]
 
 
+def _join(pieces: list[Tensor]) -> Tensor:
+    """Per-chunk pieces [B, c, ...] -> [B, L, ...], emptying the list so the pieces are freed one tensor at a
+    time (N x T attention outputs would otherwise exist twice at the peak); a single piece is not copied."""
+    joined = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=1)
+    pieces.clear()
+    return joined
+
+
 class LoopLMPreTrainedModel(PreTrainedModel):
     config_class = LoopLMConfig
     base_model_prefix = "model"
@@ -454,17 +462,17 @@ class LoopLMForCausalLM(LoopLMPreTrainedModel):
             # buffers). Broken on every exit, an exception mid-forward included.
             if hasattr(policy, "store"):
                 policy.store.token = None
-        last = torch.cat(hidden, dim=1)
+        last = _join(hidden)
         out = LoopLMOutput(last_hidden_state=last)
-        if compute_logits:
-            out.logits = self.lm_head(last)
         if output_loop_states:
-            out.hidden_states = [torch.cat(h, dim=1) for h in loop_hidden[:-1]] + [last]
-            if compute_logits:
-                out.loop_logits = [self.lm_head(h) for h in out.hidden_states[:-1]] + [out.logits]
+            out.hidden_states = [_join(h) for h in loop_hidden[:-1]] + [last]
             out.gate_means = self._gate_means(gates)
         if collect_attn:
-            out.attn_outputs = [[torch.cat(o, dim=1) for o in per_loop] for per_loop in attn_outputs]
+            out.attn_outputs = [[_join(o) for o in per_loop] for per_loop in attn_outputs]
+        if compute_logits:
+            out.logits = self.lm_head(last)
+            if output_loop_states:
+                out.loop_logits = [self.lm_head(h) for h in out.hidden_states[:-1]] + [out.logits]
         if labels is not None:
             logits = out.logits if compute_logits else self.lm_head(last)
             out.loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=-100)
