@@ -12,6 +12,7 @@ from __future__ import annotations
 import ast
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -21,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[1] / PACKAGE
 
 # Cycles that exist today and are being removed; each entry is the set of modules of one cycle. A cycle
 # whose modules all lie in one entry is tolerated, any other cycle fails. Empty this list as they go
-# (test_known_cycles_are_still_there says when one has gone).
+# (test_known_cycles_are_still_there warns when one has gone).
 KNOWN_CYCLES_TO_REMOVE: list[frozenset[str]] = [
     # looplm -> token_step (inside functions) -> melt -> looplm: the modeling owner is removing it (issue 37).
     frozenset({"melt_eval.modeling.looplm", "melt_eval.modeling.token_step", "melt_eval.modeling.melt"}),
@@ -190,10 +191,12 @@ def test_no_import_cycles():
 
 
 def test_known_cycles_are_still_there():
-    """A cycle in KNOWN_CYCLES_TO_REMOVE that has gone must leave the list, so that it cannot come back."""
+    """A cycle in KNOWN_CYCLES_TO_REMOVE that has gone should leave the list, so that it cannot come back
+    unnoticed. A warning, not a failure: the change that removes a cycle need not edit this file."""
     components = [set(c) for c in strongly_connected(import_graph())]
     gone = [sorted(known) for known in KNOWN_CYCLES_TO_REMOVE if not any(c & known for c in components)]
-    assert not gone, f"these cycles are gone: delete them from KNOWN_CYCLES_TO_REMOVE: {gone}"
+    if gone:
+        warnings.warn(f"these cycles are gone: delete them from KNOWN_CYCLES_TO_REMOVE in {__file__}: {gone}")
 
 
 def test_no_cycles_between_packages():
