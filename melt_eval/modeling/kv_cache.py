@@ -1,6 +1,6 @@
-"""Key/value storage and the attention rule of each looped variant.
+"""Key/value storage and the attention rule of each cache layout (`melt_eval.cache_layout`).
 
-A looped forward processes tokens a chunk at a time (MELT.md "Chunks"). For every
+A looped forward processes tokens a chunk at a time (docs/method.md#chunks). For every
 (layer, loop) the chunk's current keys/values are handed to a *policy*, which picks the
 store key they belong to; the store writes them into the chunk's slots (right after the
 entries of earlier tokens) and attends over everything up to them. A later loop writing
@@ -364,3 +364,19 @@ class PromptPerLoopThenSharedKV:
 
     def advance(self, c: int) -> None:
         self.gen_store.length += c
+
+
+def policy_for(layout, store, *, alpha: float = 1.0, generated_store: StaticStore | None = None):
+    """The one place a cache layout (`melt_eval.cache_layout.CacheLayout`) becomes an attention rule.
+
+    alpha < 1 is phase 1's transition of a shared cache; the "w/ prefill" layout (per-loop prompt,
+    shared generated tokens) prefills with Ouro's rule into `store` and decodes over both stores."""
+    if alpha != 1.0:
+        if layout.kind != "shared":
+            raise ValueError(f"alpha < 1 interpolates a shared cache; this model's is {layout.kind}")
+        return InterpolatedKV(store, alpha)
+    if layout.kind == "shared":
+        return SharedKV(store)
+    if layout.kind == "generated_shared" and generated_store is not None:
+        return PromptPerLoopThenSharedKV(store, generated_store)
+    return PerLoopKV(store)

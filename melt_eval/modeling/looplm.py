@@ -1,4 +1,4 @@
-"""Ouro LoopLM: a looped decoder that applies its N-layer stack T times (MELT.md section 1).
+"""Ouro LoopLM: a looped decoder that applies its N-layer stack T times (docs/method.md#looped-lm).
 
 Loads Ouro checkpoints (config.json with model_type "ouro", Ouro's safetensors key names)
 without remote code. Each layer is a sandwich-norm Llama block:
@@ -14,7 +14,7 @@ keys/values of all tokens, so the cache holds T x N entries per token.
 
 The looped computation itself (`LoopLMModel.run_chunk`) is shared with MELT
 (`melt.py`), which changes only where keys/values come from and which of them are
-kept (`kv_cache.py`).
+kept: `melt_eval.cache_layout` decides the layout, `kv_cache.policy_for` the rule that reads it.
 """
 
 from __future__ import annotations
@@ -29,11 +29,14 @@ from transformers.modeling_outputs import ModelOutput
 
 from torch.utils.checkpoint import checkpoint
 
-from melt_eval.modeling.kv_cache import PerLoopKV, SharedKV, TrainingKVBuffer
+from melt_eval.cache_layout import KV_SHARING, CacheLayout, layout_of  # noqa: F401 (KV_SHARING: the public name)
+from melt_eval.modeling import token_step
+from melt_eval.modeling.gates import FixedGate, gate_update
+from melt_eval.modeling.kv_cache import TrainingKVBuffer, policy_for
+from melt_eval.modeling.layer_step import attention_inputs, attention_residual_and_mlp, compute_dtype
 
 Tensor = torch.Tensor
 
-KV_SHARING = (None, "first", "last")
 
 
 class LoopLMConfig(PreTrainedConfig):
@@ -99,18 +102,6 @@ def rope_inv_freq(config: LoopLMConfig) -> Tensor:
     """RoPE's inverse frequencies theta^(-2i/d), i < d/2 (d = head_dim; vLLM's default get_rope uses the same)."""
     dim = config.head_dim
     return 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
-
-
-def compute_dtype(x: Tensor) -> torch.dtype:
-    """The dtype the projections of x produce: autocast's where it is on, else x's own.
-
-    Under autocast the embedding output stays fp32 while q/k/v come out bf16; cos/sin must take
-    the projections' dtype, or RoPE promotes q and k back to fp32 and they no longer match v
-    (SDPA's lower-right causal path checks that before autocast could cast them)."""
-    device_type = x.device.type
-    if torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type):
-        return torch.get_autocast_dtype(device_type)
-    return x.dtype
 
 
 class RotaryEmbedding(nn.Module):
@@ -206,30 +197,13 @@ class LoopLMDecoderLayer(nn.Module):
         self.post_attention_layernorm_2 = RMSNorm(d, eps)
 
     def update_state(self, h_prev: Tensor, a: Tensor, loop: int, kv_sharing: str) -> tuple[Tensor, Tensor | None]:
-        """Untrained KV sharing on a LoopLM: the `last` (h_t = a_t) and `first` (h_t = a_1) gates."""
-        return (a if kv_sharing == "last" else h_prev), None
+        """Untrained KV sharing on a LoopLM: the shared entry updated through the fixed gate `last`
+        (h_t = a_t) or `first` (h_t = a_1), by MELT's rule; no learned gate value to report."""
+        h, _ = gate_update(_FIXED_GATES[kv_sharing], h_prev, a, loop)
+        return h, None
 
 
-def attention_inputs(layer, x, h_prev, cos, sin, first_loop: bool, loop: int, need_base: bool, need_melt: bool, kv_sharing):
-    """The step before attention: a_t = input_layernorm(x); q_t = RoPE(q_proj(a_t)); the base
-    entries from a_t (Ouro's per-loop cache) and/or the MELT state and its entries:
-    h_1 = a_1, h_t = z_t * h_{t-1} + (1 - z_t) * a_t (MELT.md section 2)."""
-    a = layer.input_layernorm(x)
-    q = layer.self_attn.query(a, cos, sin)
-    base = layer.self_attn.key_value(a, cos, sin) if need_base else None
-    melt, h, z = None, None, None
-    if need_melt:
-        h, z = (a, None) if first_loop else layer.update_state(h_prev, a, loop, kv_sharing)
-        melt = layer.self_attn.key_value(h, cos, sin)
-    return q, base, melt, h, z
-
-
-def attention_residual_and_mlp(layer, x, heads):
-    """The step after attention: x + norm(o_proj(heads)), then the sandwich-norm MLP residual."""
-    o = layer.self_attn.output(heads)
-    x = x + layer.input_layernorm_2(o)
-    x = x + layer.post_attention_layernorm_2(layer.mlp(layer.post_attention_layernorm(x)))
-    return x, o
+_FIXED_GATES = {kind: FixedGate(kind) for kind in KV_SHARING if kind is not None}
 
 
 class LoopLMModel(nn.Module):
@@ -239,7 +213,7 @@ class LoopLMModel(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(layer_cls(config) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        # Ouro's learned early-exit gate: loaded and reported, never used to stop (MELT.md section 1).
+        # Ouro's learned early-exit gate: loaded and reported, never used to stop (docs/method.md#looped-lm).
         self.early_exit_gate = nn.Linear(config.hidden_size, 1)
         self.rotary_emb = RotaryEmbedding(config)
         self.gradient_checkpointing = False  # re-run each (layer, loop) step in backward
@@ -319,10 +293,8 @@ class LoopLMModel(nn.Module):
         """Train MELT at chunk 1 with one torch.compile'd function per token (`token_step.py`): every loop
         and layer of a token, its attention included, in a few kernels. Only for short sequences: it
         keeps a padded copy of the earlier tokens' entries per token (O(L^2) memory)."""
-        from melt_eval.modeling.token_step import token_chunk
-
         compile_kwargs.setdefault("dynamic", False)
-        self.token_step = torch.compile(token_chunk, **compile_kwargs)
+        self.token_step = torch.compile(token_step.token_chunk, **compile_kwargs)
 
     @staticmethod
     def _mask(c: int, past: int, key_mask: Tensor, device) -> Tensor:
@@ -381,11 +353,13 @@ class LoopLMForCausalLM(LoopLMPreTrainedModel):
     def get_output_embeddings(self) -> nn.Module:
         return self.lm_head
 
+    def cache_layout(self, *, kv_sharing: str | None = None, share_prompt: bool = True) -> CacheLayout:
+        """This model's cache with these options (a teacher-forced pass shares the prompt like every token)."""
+        return layout_of(self.config, kv_sharing=kv_sharing, share_prompt=share_prompt and kv_sharing is not None)
+
     def make_policy(self, store, *, alpha: float = 1.0, kv_sharing: str | None = None):
-        """The attention rule of this model: Ouro's per-loop cache, or shared KV (baselines)."""
-        if kv_sharing not in KV_SHARING:
-            raise ValueError(f"kv_sharing must be one of {KV_SHARING}, got {kv_sharing!r}")
-        return SharedKV(store) if kv_sharing else PerLoopKV(store)
+        """The attention rule of this model's cache layout over `store`."""
+        return policy_for(self.cache_layout(kv_sharing=kv_sharing), store, alpha=alpha)
 
     def forward(
         self,
@@ -402,7 +376,7 @@ class LoopLMForCausalLM(LoopLMPreTrainedModel):
         loss_fn=None,
         **kwargs,
     ) -> LoopLMOutput:
-        """Teacher-forced forward over [B, L] tokens, chunk by chunk (MELT.md "Chunks").
+        """Teacher-forced forward over [B, L] tokens, chunk by chunk (docs/method.md#chunks).
 
         chunk_size None means the model's exact rule: one chunk for Ouro (its per-loop cache
         makes chunking irrelevant), one token per chunk where keys/values are shared across
@@ -415,10 +389,11 @@ class LoopLMForCausalLM(LoopLMPreTrainedModel):
         loss_fn(lm_head, output) -> LossTerms is evaluated inside forward, where wrappers such as
         FSDP and autocast are active (training's objective); it fills `loss` and `loss_terms`.
         """
-        policy = self.make_policy(TrainingKVBuffer(input_ids.shape[1]), alpha=alpha, kv_sharing=kv_sharing)
+        layout = self.cache_layout(kv_sharing=kv_sharing)
+        policy = policy_for(layout, TrainingKVBuffer(input_ids.shape[1]), alpha=alpha)
         B, L = input_ids.shape
         if chunk_size is None:
-            chunk_size = 1 if policy.needs_melt else L
+            chunk_size = 1 if layout.prefill_chunk_matters else L
         if chunk_size < 1:
             raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
         if first_chunk < 0:
@@ -435,9 +410,7 @@ class LoopLMForCausalLM(LoopLMPreTrainedModel):
         gates = [[[] for _ in range(T)] for _ in range(N)]
         first = min(first_chunk, L)
         starts = ([0] if first else []) + list(range(first, L, chunk_size))
-        from melt_eval.modeling import token_step
-
-        if token_step.applies(self, policy, chunk_size):  # compile_token_step: one compiled call per token
+        if token_step.applies(self, layout, chunk_size):  # compile_token_step: one compiled call per token
             chunks = token_step.token_steps(self.model, input_ids, position_ids, first, policy)
         else:
             chunks = (self.model.run_chunk(input_ids[:, start:end], position_ids[:, start:end], policy,

@@ -1,20 +1,8 @@
-"""MELT: a LoopLM whose loops share ONE key/value entry per (layer, token) (MELT.md section 2).
+"""MELT: a LoopLM whose loops share ONE key/value entry per (layer, token) (docs/method.md#shared-cache).
 
-Per layer, per token, loop t (a_t is the layer's attention input at loop t):
-
-    h_1 = a_1
-    h_t = z_t * h_{t-1} + (1 - z_t) * a_t              t >= 2
-    k_t = RoPE(k_proj(h_t)),  v_t = v_proj(h_t),  q_t = RoPE(q_proj(a_t))
-
-A token attends to the final (loop-T) entries of earlier tokens and the loop-t entries of
-the tokens processed with it. The gate z_t selects the variant:
-
-    elementwise  sigmoid(a_t W_z + h_{t-1} U_z + b_z), z in R^d      (MELT)
-    scalar       sigmoid(a_t w_z + h_{t-1} u_z + b_z), one per token ("single-gated")
-    ema          ema_decay (0.2)
-    mean         (t-1)/t: h_t is the running mean of a_1..a_t
-    last         0: h_t = a_t
-    first        1: h_t = a_1
+A token attends to the final (loop-T) entries of earlier tokens and the loop-t entries of the tokens
+processed with it; the shared entry is updated at every loop by the gate rule of `gates.py`:
+h_1 = a_1, h_t = z_t * h_{t-1} + (1 - z_t) * a_t, k_t = RoPE(k_proj(h_t)), v_t = v_proj(h_t).
 """
 
 from __future__ import annotations
@@ -22,14 +10,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from melt_eval.modeling.kv_cache import InterpolatedKV, SharedKV
+from melt_eval.modeling.gates import GATES, LEARNED_GATES, gate_update
 from melt_eval.modeling.looplm import LoopLMConfig, LoopLMDecoderLayer, LoopLMForCausalLM
 
 Tensor = torch.Tensor
-
-GATES = ("elementwise", "scalar", "ema", "mean", "last", "first")
-LEARNED_GATES = ("elementwise", "scalar")
-
 
 class MeltConfig(LoopLMConfig):
     model_type = "melt"
@@ -41,19 +25,6 @@ class MeltConfig(LoopLMConfig):
         if self.gate not in GATES:
             raise ValueError(f"unknown gate {self.gate!r}; valid gates: {', '.join(GATES)}")
         super().__post_init__(**kwargs)
-
-
-def gate_update(gate, h_prev: Tensor, a: Tensor, loop: int) -> tuple[Tensor, Tensor | float]:
-    """(h_t, z_t) with h_t = z_t * h_{t-1} + (1 - z_t) * a_t, for loop t >= 2 (the table above).
-
-    `gate` has `.kind`, `.ema_decay` and, for the learned gates, `.logits(h_prev, a)` giving
-    a_t W_z + h_{t-1} U_z + b_z: the native MeltGate and the vLLM plugin's Gate both use this one rule.
-    """
-    if gate.kind in LEARNED_GATES:
-        z = torch.sigmoid(gate.logits(h_prev, a))
-    else:
-        z = {"ema": gate.ema_decay, "mean": (loop - 1) / loop, "last": 0.0, "first": 1.0}[gate.kind]
-    return z * h_prev + (1 - z) * a, z
 
 
 class MeltGate(nn.Module):
@@ -86,11 +57,6 @@ class MeltForCausalLM(LoopLMForCausalLM):
     config_class = MeltConfig
     layer_cls = MeltDecoderLayer
     _no_split_modules = ["MeltDecoderLayer"]
-
-    def make_policy(self, store, *, alpha: float = 1.0, kv_sharing: str | None = None):
-        if kv_sharing is not None:
-            raise ValueError("kv_sharing applies to LoopLM (Ouro) models; MELT always shares its KV cache")
-        return SharedKV(store) if alpha == 1.0 else InterpolatedKV(store, alpha)
 
     def _init_weights(self, module: nn.Module) -> None:
         super()._init_weights(module)

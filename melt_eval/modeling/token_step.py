@@ -21,9 +21,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from melt_eval.modeling.kv_cache import InterpolatedKV, SharedKV
-from melt_eval.modeling.looplm import attention_residual_and_mlp, compute_dtype
-from melt_eval.modeling.melt import gate_update
+from melt_eval.modeling.kv_cache import InterpolatedKV
+from melt_eval.modeling.gates import gate_update
+from melt_eval.modeling.layer_step import attention_residual_and_mlp, compute_dtype
 
 Tensor = torch.Tensor
 
@@ -90,10 +90,11 @@ def token_chunk(layers, norm, loops: int, x, cos, sin, prefix, valid, slot, alph
     return x, prefix, loop_hidden, attn_outputs, gates
 
 
-def applies(model, policy, chunk_size: int) -> bool:
-    """The fused path serves MELT's training rules at chunk 1 when `compile_token_step` asked for it."""
+def applies(model, layout, chunk_size: int) -> bool:
+    """The fused path serves MELT's training rules at chunk 1 when `compile_token_step` asked for it:
+    a cache whose entries are all shared across loops, every token its own chunk, no checkpointing."""
     inner = model.model
-    return (inner.token_step is not None and chunk_size == 1 and type(policy) in (SharedKV, InterpolatedKV)
+    return (inner.token_step is not None and chunk_size == 1 and layout.kind == "shared"
             and not (inner.gradient_checkpointing and torch.is_grad_enabled()))
 
 
