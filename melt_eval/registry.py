@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from melt_eval.errors import UserError
-from melt_eval.kv_bytes import kv_cache_bytes
+from melt_eval.cache_layout import CacheLayout, cache_layout
 
 
 @dataclass(frozen=True)
@@ -31,8 +31,6 @@ class ModelSpec:
     head_dim: int | None
     params: int
     loops: int = 1
-    # KV entries per (layer, token): T for Ouro, 1 for MELT and non-looped models.
-    kv_entries_per_layer: int = 1
     # Set where the per-token KV size cannot be derived from a plain attention config
     # (sliding windows, linear attention, shared KV layers): the paper's vLLM reading.
     paper_vllm_kv_bytes_per_token: int | None = None
@@ -44,21 +42,35 @@ class ModelSpec:
     def hub_id(self) -> str | None:
         return self.source[4:] if self.source.startswith("hub:") else None
 
+    def cache_layout(self, loops: int | None = None, kv_sharing: str | None = None) -> CacheLayout:
+        """The model's KV cache at its own (or `loops`) T; `family` is the model type it decides by."""
+        return cache_layout(self.family, loops=loops or self.loops, layers=self.num_layers, kv_heads=self.num_kv_heads,
+                            head_dim=self.head_dim, kv_sharing=kv_sharing)
+
+    @property
+    def kv_entries_per_layer(self) -> int:
+        """KV entries per (layer, token): T for Ouro, 1 for MELT and non-looped models."""
+        return self.cache_layout().entries_per_token()[1] if self.num_layers is not None else 1
+
     @property
     def kv_bytes_per_token(self) -> int:
         """bf16 KV bytes per token: 2 (K and V) x entries x layers x kv_heads x head_dim x 2 bytes."""
         if self.paper_vllm_kv_bytes_per_token is not None:
             return self.paper_vllm_kv_bytes_per_token
-        return kv_cache_bytes(layers=self.num_layers, kv_heads=self.num_kv_heads, head_dim=self.head_dim,
-                              loops=self.kv_entries_per_layer)
+        return self.cache_layout().bytes_per_token()
 
     @property
     def kv_source(self) -> str:
         return "paper (vLLM reading)" if self.paper_vllm_kv_bytes_per_token is not None else "analytic"
 
     def as_dict(self) -> dict:
-        d = asdict(self)
-        d.pop("extra")
+        fields = asdict(self)
+        fields.pop("extra")
+        d = {}
+        for key, value in fields.items():  # the derived entry count sits after loops, where it always has
+            d[key] = value
+            if key == "loops":
+                d["kv_entries_per_layer"] = self.kv_entries_per_layer
         d.update(hub_id=self.hub_id, kv_bytes_per_token=self.kv_bytes_per_token, kv_source=self.kv_source)
         return d
 
@@ -81,16 +93,16 @@ MODELS: dict[str, ModelSpec] = {
     for m in [
         ModelSpec(
             "melt-1.6b", "MELT-1.6B", "melt", "trained: melt-eval train (paper-phase1, paper-phase2)",
-            24, 2048, 16, 16, 128, _OURO_1_4B + melt_gate_params(24, 2048), loops=4, kv_entries_per_layer=1,
+            24, 2048, 16, 16, 128, _OURO_1_4B + melt_gate_params(24, 2048), loops=4,
             notes="not released; set MELT_EVAL_MELT_1_6B=<checkpoint dir> or pass the path",
         ),
         ModelSpec(
             "ouro-1.4b-thinking", "Ouro-1.4B-Thinking", "ouro", "hub:ByteDance/Ouro-1.4B-Thinking",
-            24, 2048, 16, 16, 128, _OURO_1_4B, loops=4, kv_entries_per_layer=4,
+            24, 2048, 16, 16, 128, _OURO_1_4B, loops=4,
         ),
         ModelSpec(
             "ouro-2.6b-thinking", "Ouro-2.6B-Thinking", "ouro", "hub:ByteDance/Ouro-2.6B-Thinking",
-            48, 2048, 16, 16, 128, _ouro_params(48), loops=4, kv_entries_per_layer=4,
+            48, 2048, 16, 16, 128, _ouro_params(48), loops=4,
         ),
         ModelSpec(
             "qwen3-1.7b", "Qwen3-1.7B", "hf", "hub:Qwen/Qwen3-1.7B",
@@ -114,12 +126,12 @@ MODELS: dict[str, ModelSpec] = {
         ),
         ModelSpec(
             "tiny-random-ouro", "tiny-random-ouro", "ouro", "built locally",
-            2, 128, 2, 2, 64, 0, loops=4, kv_entries_per_layer=4, tiny=True,
+            2, 128, 2, 2, 64, 0, loops=4, tiny=True,
             notes="random weights, byte-level BPE tokenizer; for offline tests",
         ),
         ModelSpec(
             "tiny-random-melt", "tiny-random-melt", "melt", "built locally",
-            2, 128, 2, 2, 64, 0, loops=4, kv_entries_per_layer=1, tiny=True,
+            2, 128, 2, 2, 64, 0, loops=4, tiny=True,
             notes="tiny-random-ouro + elementwise gates (seed 0)",
         ),
         ModelSpec(

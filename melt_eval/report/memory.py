@@ -1,4 +1,4 @@
-"""Memory accounting (spec section 3): KV bytes per token, model bytes, KV and total for a context.
+"""Memory accounting (docs/method.md#caches): KV bytes per token, model bytes, KV and total for a context.
 
 Figures are exact bytes; the paper's are decimal MB/GB. The paper's own columns disagree with each
 other (its "KV-cache for 32k" is 32,000 x per-token although its text says 32,768, and its totals are
@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 from melt_eval.errors import UserError
-from melt_eval.kv_bytes import kv_cache_bytes
+from melt_eval.cache_layout import layout_of
 from melt_eval.registry import MODELS, ModelSpec, get_spec
 from melt_eval.report.paper import paper_memory
 from melt_eval.report.render import Cell, Row, Table
@@ -77,20 +77,21 @@ def kv_bytes_per_token(spec: ModelSpec, loops: int | None = None) -> int:
         return spec.kv_bytes_per_token  # MELT and non-looped models: one entry per (layer, token)
     if spec.num_layers is None:
         raise UserError(f"{spec.name}: KV size per loop is not derivable from its config")
-    return kv_cache_bytes(layers=spec.num_layers, kv_heads=spec.num_kv_heads, head_dim=spec.head_dim, loops=loops)
+    return spec.cache_layout(loops).bytes_per_token()
 
 
 def kv_bytes_per_token_at(model: str, model_path: str | None, loops: int | None, kv_sharing: str | None = None) -> int | None:
     """bf16 KV bytes per generated token of a run at `loops` loops: from the registry entry, else from the
-    checkpoint's config.json ("ouro": one entry per loop, "melt": one); None where neither describes it.
-    With KV sharing an Ouro keeps one entry per generated token (prompt tokens aside)."""
+    checkpoint's config.json; None where neither describes it. With KV sharing an Ouro keeps one entry per
+    generated token; the "w/ prefill" rows also keep T per prompt token, which `CacheLayout.nbytes`
+    counts where the prompt's length is known (the engine's measured `peak_cache_bytes` includes it)."""
     import json
     from pathlib import Path
 
-    if kv_sharing:
-        loops = 1
     if model in MODELS and not MODELS[model].tiny:
         spec = MODELS[model]
+        if kv_sharing:
+            return spec.cache_layout(loops, kv_sharing).bytes_per_token() if spec.num_layers is not None else None
         try:
             return kv_bytes_per_token(spec, loops)
         except UserError:
@@ -100,13 +101,9 @@ def kv_bytes_per_token_at(model: str, model_path: str | None, loops: int | None,
         return None
     try:
         cfg = json.loads(cfg_path.read_text(encoding="utf-8"))
-        layers, heads = int(cfg["num_hidden_layers"]), int(cfg["num_attention_heads"])
-        kv_heads = int(cfg.get("num_key_value_heads") or heads)
-        head_dim = int(cfg.get("head_dim") or int(cfg["hidden_size"]) // heads)
+        return layout_of(cfg, loops=loops, kv_sharing=kv_sharing).bytes_per_token(BYTES_PER_PARAM)
     except (OSError, ValueError, KeyError, TypeError):
         return None
-    entries = (loops or int(cfg.get("total_ut_steps", 1))) if cfg.get("model_type") == "ouro" else 1
-    return kv_cache_bytes(layers=layers, kv_heads=kv_heads, head_dim=head_dim, loops=entries, bytes_per_value=BYTES_PER_PARAM)
 
 
 def _paper_row(spec: ModelSpec) -> PaperMemory | None:
