@@ -36,7 +36,7 @@ class LayoutError(UserError, ValueError):
     """An inference option that does not fit the model's cache (one line; the CLI exits 2)."""
 
 
-MELT_ALWAYS_SHARES = "kv_sharing applies to LoopLM (Ouro) checkpoints only; MELT always shares its KV cache"
+MELT_ALWAYS_SHARES = "--kv-sharing applies to LoopLM (Ouro) checkpoints only; MELT always shares its KV cache"
 
 
 def check_kv_sharing(value, flag: str = "--kv-sharing") -> None:
@@ -103,8 +103,8 @@ class CacheLayout:
     def vllm_caches(self) -> int:
         """The attention caches vLLM allocates per layer stack: T x N per-loop ones or N shared ones."""
         if self.kind == "generated_shared":
-            raise LayoutError("--kv-sharing without --share-prompt (the \"w/ prefill\" baselines) is a native-engine "
-                              "option: vLLM shares the prompt too; add --share-prompt or use --backend native")
+            raise LayoutError("vLLM runs untrained KV sharing over the prompt too (--share-prompt); the 'w/ prefill' form, "
+                              "which keeps Ouro's per-loop cache for the prompt, runs on --backend native only")
         return self.loops * self.layers if self.kind == "per_loop" else self.layers
 
     def vllm_overrides(self, kv_sharing: str | None, prefill_chunk: int | None) -> dict:

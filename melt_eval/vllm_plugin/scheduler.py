@@ -27,25 +27,18 @@ from vllm.model_executor.models.config import VerifyAndUpdateConfig
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 
+from melt_eval.cache_layout import PREFILL_CHUNK_KEY, layout_of
+
 logger = init_logger(__name__)
 
 MAX_STEP_TOKENS = 65536  # with exact chunks, max_num_seqs * C tokens may be scheduled in one step
 
 
-def shares_kv(hf_config) -> bool:
-    """MELT, or Ouro with untrained KV sharing: one cache per layer, rewritten at every loop."""
-    from melt_eval.vllm_plugin import KV_SHARING_KEY
-
-    return getattr(hf_config, "model_type", None) == "melt" or getattr(hf_config, KV_SHARING_KEY, None) is not None
-
-
 class ExactChunkConfig(VerifyAndUpdateConfig):
     @staticmethod
     def verify_and_update_config(vllm_config) -> None:
-        from melt_eval.vllm_plugin import PREFILL_CHUNK_KEY
-
         model_config = vllm_config.model_config
-        if not shares_kv(model_config.hf_config):
+        if not layout_of(model_config.hf_config).prefill_chunk_matters:  # Ouro's per-loop caches: any chunking
             return
         sched, cache = vllm_config.scheduler_config, vllm_config.cache_config
         chunk = int(getattr(model_config.hf_config, PREFILL_CHUNK_KEY, None) or 1)
