@@ -10,7 +10,8 @@ alternate, `--rounds` times each. A child does, with one torch thread as the dem
 
     python benchmarks/cpu_capability.py [--steps 6] [--rounds 2] [--problems 50] [--json]
 
-The two kinds compute different floats (README, "Another CPU's floats"); this measures only their time.
+The two kinds compute different floats (docs/results/2026-11-26-demo-seeds.md#another-cpus-floats-the-five-seeds-with-avx2-kernels);
+this measures only their time.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """What merging the projections that share an input would save in a chunk-wise MELT training step.
 
-Per (layer, loop) a MELT step projects three inputs (MELT.md section 2): a_t = input_layernorm(x)
+Per (layer, loop) a MELT step projects three inputs (docs/method.md#shared-cache): a_t = input_layernorm(x)
 to the query (and, at alpha < 1, to the base key and value), the state h_t to the shared key and
 value, and the post-attention norm to the MLP's gate and up. Separate `nn.Linear`s run 5 matrix
 products at alpha = 1 and 7 at alpha < 1; merged weights (q|k_base|v_base, k|v, gate|up) run 3.

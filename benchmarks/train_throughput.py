@@ -1,7 +1,7 @@
 """Training throughput of chunk-wise MELT against fully parallel training (C = L).
 
 MELT's keys/values depend on each token's final loop, so a sequence is trained in chunks
-of C tokens, one after the other (MELT.md "Chunks"): smaller C is closer to inference
+of C tokens, one after the other (docs/method.md#chunks): smaller C is closer to inference
 and slower. This measures optimiser steps of the real training path
 (`melt_eval.training.runner.forward_objective`, SFT objective at alpha = 1, AdamW with the
 two parameter groups) for several C in one run, next to C = L and to the LoopLM itself.

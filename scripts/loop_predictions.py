@@ -1,7 +1,7 @@
 """Where a looped model does its work: each loop's reply loss, greedy error and distance to the last loop.
 
-Teacher-forced on chats from a recipe's data (`melt_eval.experiments.loop_profile`); the demo's README
-compares its teachers and MELT models with it.
+Teacher-forced on chats from a recipe's data (`melt_eval.experiments.loop_profile`);
+docs/results/demo-history.md compares the demo's teachers and MELT models with it.
 
     .venv/bin/python scripts/loop_predictions.py demo/runs/pretrain-tiny-* demo-seed1/runs/pretrain-tiny-*
     .venv/bin/python scripts/loop_predictions.py CKPT --sequences 96 --format json

@@ -1,5 +1,5 @@
 """Each loop's reply loss and error (`melt_eval.experiments.loop_profile`, `scripts/loop_predictions.py`), as
-the demo records them and the README's teacher comparison reads them."""
+the demo records them and docs/results/demo-history.md's teacher comparison reads them."""
 
 import importlib.util
 from pathlib import Path

@@ -8,7 +8,7 @@ LightEval's config, `lighteval_cli_table` into the table LightEval's own CLI loa
 
 Prompts and answer extraction are LightEval's own (its AIME and MATH-500 templates, its
 math-verify based `pass@k` metric, its letter-extraction for multiple choice); the
-protocol is the paper's (MELT.md section 3): 16 samples with pass@1 and pass@10 on
+protocol is the paper's (docs/method.md#evaluation-protocol): 16 samples with pass@1 and pass@10 on
 AIME24/25/26 and AMC23, one sample with accuracy elsewhere, up to 32,768 new tokens.
 
 Every task reads either the Hub dataset or a local file `DIR/<task>.jsonl|.parquet`

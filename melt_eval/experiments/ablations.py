@@ -162,8 +162,9 @@ def train_runs(runs: list[TrainRun], runs_dir: Path, jobs: int = 1, progress: bo
 
     Side by side, each run is a spawned process with one torch thread: a tiny model's chunk-wise step is
     thousands of small operations that a second thread barely speeds up, so two one-thread runs finish
-    sooner than the same two runs one after the other with two threads (measured in the README). A
-    failed run stops the others from starting; those already running finish (and stay resumable)."""
+    sooner than the same two runs one after the other with two threads
+    (docs/results/2026-11-26-benchmarks.md#runs-side-by-side). A failed run stops the others from
+    starting; those already running finish (and stay resumable)."""
     train_and_evaluate(runs, [], "", runs_dir, jobs=jobs, progress=progress)
 
 

@@ -71,8 +71,8 @@ def register(app: typer.Typer) -> None:
         jobs: Optional[int] = typer.Option(None, "--jobs", min=1, help="Training runs and evaluations side by side, "
                                            "one torch thread each (default: the CPU cores, at most 4)."),
         compile: bool = typer.Option(False, "--compile", help="Train MELT with one torch.compile'd function per "
-                                     "token (recipe compile: true): about 2x faster steps; floats differ from eager "
-                                     "in the last bits."),
+                                     "token (recipe compile: true): faster steps once compiled, but each run compiles "
+                                     "first; floats differ from eager in the last bits."),
         progress: bool = typer.Option(True, "--progress/--no-progress"),
     ) -> None:
         """A miniature reproduction on the CPU: teacher, MELT, every ablation, every table and figure, and

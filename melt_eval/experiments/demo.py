@@ -1,4 +1,4 @@
-"""`melt-eval demo`: the whole reproduction in miniature, on a 2-core CPU.
+"""`melt-eval demo`: the whole reproduction in miniature, sized for a CPU of two cores (docs/demo.md).
 
 1. `ouro-tiny`: a LoopLM (T = 4) trained from scratch on the synthetic task (recipe pretrain-tiny);
 2. MELT from it with the two-phase recipe (tiny-phase1, tiny-phase2), the gate ablation, the
@@ -37,7 +37,7 @@ class DemoSize:
 
 
 # all 100 test problems: with 50, one standard error of a pass@1 was 3.6-3.8 points at seed 1, as large
-# as the gaps the gate and ladder claims compare; 100 shrink it by 1/sqrt(2) for about 2 more minutes
+# as the gaps the gate and ladder claims compare; 100 shrink it by 1/sqrt(2) at twice the evaluation's work
 FULL = DemoSize(pretrain={}, melt=None, problems=100, loops=(1, 2, 3, 4))
 # --quick checks the pipeline, not the numbers: untrained models never stop, so their replies are cut short
 QUICK = DemoSize(pretrain={"max_steps": 60, "batch_tokens": 2048, "micro_batch_size": 16, "save_every": 30},
@@ -47,7 +47,7 @@ EVAL = dict(samples=16, temperature=1.0, top_p=0.7)
 
 def eval_settings(size: DemoSize, seed: int = 0) -> dict:
     """`run_tasks` options for every model of the demo. Prompts are prefilled by the MELT recipes'
-    training rule (MELT.md: prefill follows it): whole, as one chunk, where the recipe trains the prompt
+    training rule (docs/method.md#prefill): whole, as one chunk, where the recipe trains the prompt
     so (a prefill chunk of seq_len holds any prompt), else in chunks of its C; decoding is exact. Ouro is
     unaffected, its per-loop cache makes chunks irrelevant."""
     from melt_eval.training.config import load_recipe
@@ -150,7 +150,7 @@ def _run_demo(output: Path, quick: bool, progress: bool, seed: int, threads: int
     claims = paper_claims(measured)
     write_json_atomic(output / "report" / "claims.json", [c.to_json() for c in claims])
     write_json_atomic(output / "report" / "mistakes.json", mistakes_json(measured))
-    # where each model does its work, loop by loop: the README traces the conversion's seed dependence to it
+    # where each model does its work, loop by loop: docs/results/demo-history.md traces the conversion's seed dependence to it
     profiles = {name: checkpoint_profile(model) for name, model in main.items()}
     # what each gate learned (z at loops 2..T at the end of training), to read beside the gate claim
     gate_profile = {v.name: final_gate_means(runs / v.train[-1].run_id) for v in variants if v.ablation == "gates"}
@@ -217,9 +217,9 @@ def _previous_runs(path: Path) -> list[dict]:
 
 def _pick_threads(report: bool, default: int) -> None:
     """One intra-op thread when other work already fills the cores, torch's `default` otherwise (an explicit
-    OMP_NUM_THREADS is left alone). Measured on the shared 2-core machine at a load average of 9-11: a
-    training step of the teacher took 10-15 s with torch's two threads (each operation waits for a thread
-    the scheduler has parked) and 1-1.3 s with one."""
+    OMP_NUM_THREADS is left alone). On a loaded machine every operation of a multi-threaded step waits for
+    a thread the scheduler has parked, so one thread runs it several times faster than all cores
+    (docs/results/2026-11-26-benchmarks.md#other-timings)."""
     import os
 
     import torch

@@ -4,7 +4,7 @@ Teacher-forced on chats from a recipe's data (the synthetic task's train split b
 runs as it decodes (Ouro with its per-loop cache, MELT one token per chunk) and each loop's logits are
 scored. A teacher that is already right at loops 2-3 works early; one near chance until loop 4 works
 late; with 200 phase-1 steps the demo's conversion kept far more of a late teacher's accuracy than of
-early ones' (README, "What the demo measured"). The demo records both of its models' profiles (`demo.json`,
+early ones' (docs/results/demo-history.md). The demo records both of its models' profiles (`demo.json`,
 `loop_profile`); `scripts/loop_predictions.py` prints them for any checkpoints.
 """
 
@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-SEQUENCES = 48  # chats per profile: ~4,000 reply tokens, a second or two for the tiny models
+SEQUENCES = 48  # chats per profile: ~4,000 reply tokens, enough to tell the loops apart, cheap beside an evaluation
 
 
 def reply_batch(tokenizer, recipe: str = "tiny-phase1", sequences: int = SEQUENCES, seed: int = 123) -> dict[str, torch.Tensor]:

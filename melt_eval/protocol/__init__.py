@@ -1,4 +1,5 @@
-"""The paper's protocol as data, at the bottom of the harness (MELT.md sections 2-3).
+"""The paper's protocol as data, at the bottom of the harness (docs/method.md#ablation-rows and
+docs/method.md#evaluation-protocol).
 
     variants.py  every ablation variant: its training overrides, evaluation options, paper key and label
     tasks.py     the benchmarks (problems, samples, metrics, source), the task groups, `expand`

@@ -1,4 +1,4 @@
-"""The paper's benchmarks as data: what each one is and how the paper evaluates it (MELT.md section 3).
+"""The paper's benchmarks as data: what each one is and how the paper evaluates it (docs/method.md#evaluation-protocol).
 
 16 samples with pass@1 and pass@10 on AIME24/25/26 and AMC23, one sample with accuracy elsewhere, up to
 32,768 new tokens; plus the demo's built-in synthetic task. A task's behaviour (its LightEval prompt,

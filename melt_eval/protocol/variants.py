@@ -1,4 +1,4 @@
-"""Every ablation variant of the paper, defined once (MELT.md "Component-removal ladder", section 2).
+"""Every ablation variant of the paper, defined once (docs/method.md#ablation-rows).
 
 A variant is what training runs (overrides of the phase-1 and phase-2 recipes, or no training), how it
 is evaluated (inference options), and the row of the paper's table it stands for (its key in
@@ -86,7 +86,7 @@ COMPONENTS = Ablation("components", "component_removal", "Component removal", "C
             phase1={"interpolation_steps": 0, "kd": False, "chunk_size": 0}),
 ))
 
-# The untrained KV-sharing baselines (MELT.md section 2): which loop's KV every loop reuses, and
+# The untrained KV-sharing baselines (docs/method.md#untrained-sharing): which loop's KV every loop reuses, and
 # whether the prompt keeps Ouro's per-loop cache ("w/ prefill") or shares it too.
 KV_SHARING = Ablation("kv-sharing", "untrained_kv_sharing", "Untrained KV sharing on Ouro-1.4B-Thinking", "KV sharing", (
     Variant("kv-sharing", "ouro", "Ouro-1.4B-Thinking", "Ouro-1.4B-Thinking",
