@@ -114,14 +114,14 @@ def test_every_variant_has_finished_results(quick_demo):
 
 
 def test_second_run_only_re_renders(quick_demo, monkeypatch):
-    import melt_eval.evaluation.lighteval_model as lm
+    import melt_eval.generation.backends as backends
     import melt_eval.training.runner as runner
 
     def refuse(*args, **kwargs):
         raise AssertionError("a finished demo must not train or generate again")
 
     monkeypatch.setattr(runner, "train", refuse)
-    monkeypatch.setattr(lm.NativeBackend, "generate", refuse)
+    monkeypatch.setattr(backends.NativeBackend, "generate", refuse)
     before = (quick_demo / "results" / "melt-tiny" / "synthetic" / "results.json").read_text()
     first = json.loads((quick_demo / "demo.json").read_text())
     # the same directory spelled another way (absolute): still the same runs and results

@@ -11,6 +11,7 @@ from typer.testing import CliRunner
 from melt_eval.cli import app
 from melt_eval.errors import UserError
 from melt_eval.evaluation import BackendSettings, RunPaths, lighteval_model, run_tasks, score_completions
+from melt_eval.generation import backends
 from melt_eval.generation.options import InferenceOptions, Sampling
 from melt_eval.evaluation.tasks import SYNTHETIC_TEST
 from melt_eval import synthetic
@@ -111,7 +112,7 @@ class _Interrupt(Exception):
 
 def test_interrupted_run_resumes_without_regenerating(tmp_path, monkeypatch):
     calls = []
-    real = lighteval_model.NativeBackend.generate
+    real = backends.NativeBackend.generate
 
     def counting(self, prompts, seeds, s, eos):
         calls.append(len(prompts))
@@ -119,8 +120,8 @@ def test_interrupted_run_resumes_without_regenerating(tmp_path, monkeypatch):
             raise _Interrupt()
         return real(self, prompts, seeds, s, eos)
 
-    monkeypatch.setattr(lighteval_model.NativeBackend, "problems_per_batch", lambda self, samples: 1)
-    monkeypatch.setattr(lighteval_model.NativeBackend, "generate", counting)
+    monkeypatch.setattr(backends.NativeBackend, "problems_per_batch", lambda self, samples: 1)
+    monkeypatch.setattr(backends.NativeBackend, "generate", counting)
     fail_after = 2
     with pytest.raises(_Interrupt):
         run_tasks("synthetic", "tiny-random-ouro", tiny(), out(tmp_path / "a"), **QUICK)
@@ -240,17 +241,18 @@ def test_cut_checkpoint_line_is_dropped_and_later_lines_survive(tmp_path):
 
 KILL_SCRIPT = """
 import os, signal, sys
-from melt_eval.evaluation import RunPaths, lighteval_model, run_tasks
+from melt_eval.evaluation import RunPaths, run_tasks
+from melt_eval.generation import backends
 from melt_eval.generation.options import InferenceOptions, Sampling
 
-real, calls = lighteval_model.NativeBackend.generate, []
+real, calls = backends.NativeBackend.generate, []
 def generate(self, *args):
     calls.append(1)
     if len(calls) > 2:
         os.kill(os.getpid(), signal.SIGKILL)  # no cleanup, no exception handlers: like kill -9
     return real(self, *args)
-lighteval_model.NativeBackend.generate = generate
-lighteval_model.NativeBackend.problems_per_batch = lambda self, samples: 1
+backends.NativeBackend.generate = generate
+backends.NativeBackend.problems_per_batch = lambda self, samples: 1
 run_tasks("synthetic", "tiny-random-ouro", InferenceOptions(sampling=Sampling(samples=2, max_new_tokens=4)),
           RunPaths(output=sys.argv[1]), max_problems=4, progress=False)
 """
@@ -267,8 +269,8 @@ def test_run_killed_with_sigkill_resumes_to_the_same_numbers(tmp_path, monkeypat
     assert len((task_dir / "completions.jsonl").read_text().splitlines()) == 2
 
     calls = []
-    real = lighteval_model.NativeBackend.generate
-    monkeypatch.setattr(lighteval_model.NativeBackend, "generate", lambda self, p, *a: calls.append(len(p)) or real(self, p, *a))
+    real = backends.NativeBackend.generate
+    monkeypatch.setattr(backends.NativeBackend, "generate", lambda self, p, *a: calls.append(len(p)) or real(self, p, *a))
     [resumed] = run_tasks("synthetic", "tiny-random-ouro", tiny(), out(tmp_path / "a"), **QUICK)
     assert sum(calls) == 2  # the two problems that were not finished
     [fresh] = run_tasks("synthetic", "tiny-random-ouro", tiny(), out(tmp_path / "b"), **QUICK)

@@ -86,7 +86,8 @@ def test_custom_tasks_module_loads_in_lighteval_registry_without_name_conflicts(
 def test_prompts_are_built_by_lightevals_prompt_manager_with_the_chat_template():
     """The model sees LightEval's prompt: the task's instruction (HLE's answer format) and the chat template."""
     from melt_eval.evaluation.hle import hle_prompt
-    from melt_eval.evaluation.lighteval_model import CompletionStore, HarnessModel, ReplayBackend
+    from melt_eval.evaluation.lighteval_model import CompletionStore, HarnessModel
+    from melt_eval.generation.backends import ReplayBackend
     from melt_eval.generation.options import InferenceOptions, Sampling
     from melt_eval.modeling.loading import load_tokenizer
     from melt_eval.modeling.loading import resolve_model_dir

