@@ -2,7 +2,7 @@
 
 Every (chunk, layer, loop) attends to `torch.cat([stored prefix, chunk])` under an explicit
 boolean mask, and plain autograd differentiates through the copies. It is the literal
-reading of MELT.md "Chunks" and "Interpolated transition"; its activation memory grows
+reading of docs/method.md#chunks and #interpolation; its activation memory grows
 with the number of chunks, which is why the model no longer runs this way.
 """
 

@@ -1,4 +1,4 @@
-"""`melt-eval memory`: the figures of spec section 3 (Table "memory"), exactly, and the paper's beside them."""
+"""`melt-eval memory`: the figures of docs/method.md#caches (the paper's memory table), exactly, and the paper's beside them."""
 
 from __future__ import annotations
 

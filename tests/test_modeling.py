@@ -1,4 +1,4 @@
-"""LoopLM and MELT: the equalities MELT.md pins down, checkpoints, and the native engine."""
+"""LoopLM and MELT: the equalities docs/method.md pins down, checkpoints, and the native engine."""
 
 import copy
 import json
@@ -302,7 +302,7 @@ def test_gate_parameter_count_of_the_paper_config():
         model = MeltForCausalLM(config)
     assert sum(p.numel() for p in model.gate_parameters()) == 201_375_744
     total = sum(p.numel() for p in model.parameters())
-    assert abs((total - 201_375_744) / 1e9 - 1.4345) < 5e-4  # Ouro-1.4B: 1.4345e9 parameters (MELT.md)
+    assert abs((total - 201_375_744) / 1e9 - 1.4345) < 5e-4  # Ouro-1.4B: 1.4345e9 parameters (docs/method.md#gates)
 
 
 def test_registry_models_load_offline():

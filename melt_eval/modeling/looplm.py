@@ -282,8 +282,8 @@ class LoopLMModel(nn.Module):
     def compile_layer_step(self, **compile_kwargs) -> None:
         """torch.compile the pure parts of every (layer, loop) step: norms, projections, RoPE,
         the MELT gate, residuals and the MLP fuse into a few kernels per step, which is what
-        chunk-wise training pays per chunk. Layers share compiled code. Shapes are static (on the
-        2-core CPU, dynamic shapes ran a C = 20 step 1.6x slower than static ones): each new chunk
+        chunk-wise training pays per chunk. Layers share compiled code. Shapes are static (dynamic
+        shapes measured slower, docs/results/2026-11-26-benchmarks.md#compiled-layer-step): each new chunk
         shape compiles once, so training pads rows to whole chunks (`bucket(pad_multiple=C)`)."""
         compile_kwargs.setdefault("dynamic", False)
         self.attention_inputs = torch.compile(attention_inputs, **compile_kwargs)

@@ -2,8 +2,8 @@
 
 At chunk 1 (exact MELT) a training forward runs each reply token through all T loops before the next
 one, and at small model sizes its time goes to dispatching T x N layer steps of small operations per
-token rather than to arithmetic (README, "One compiled function per token": 0.43x the step time at the
-demo's size). Here a token's whole chunk, every loop and layer with its attention, is one pure function,
+token rather than to arithmetic (docs/results/2026-11-26-benchmarks.md#one-compiled-function-per-token).
+Here a token's whole chunk, every loop and layer with its attention, is one pure function,
 which torch.compile turns into a few kernels, forward and backward.
 
 The rule is the one of `kv_cache.SharedKV` (alpha = 1) and `kv_cache.InterpolatedKV` (alpha < 1):

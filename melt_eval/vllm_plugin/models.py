@@ -1,4 +1,4 @@
-"""The Ouro LoopLM and MELT as vLLM models (MELT.md sections 1 and 2), built from vLLM's layers.
+"""The Ouro LoopLM and MELT as vLLM models (docs/method.md#looped-lm, #shared-cache), built from vLLM's layers.
 
 Both run the whole N-layer stack T times per forward. What differs is the KV cache:
 

@@ -1,4 +1,4 @@
-"""A vLLM scheduler whose prefill chunks are exactly MELT's chunks (MELT.md "Chunks"), and the
+"""A vLLM scheduler whose prefill chunks are exactly MELT's chunks (docs/method.md#chunks), and the
 engine settings that go with it, applied by vLLM itself to every engine of a shared-KV model.
 
 MELT's result depends on how a prompt is cut: chunk k (tokens [kC, (k+1)C)) runs all loops
