@@ -6,10 +6,10 @@ one batched, preallocated cache; then all prompts x samples decode together, one
 per step. The cache layout is right-aligned: prompt i fills columns
 [P_max - P_i, P_max), generated tokens follow at P_max, P_max + 1, ...
 
-Cache entries per token: Ouro T x N (one per loop and layer); MELT and the shared-KV
-baselines N (the current token's slot is rewritten at every loop); the baselines
-"w/ prefill" keep T x N for the prompt and N for generated tokens. `peak_cache_bytes`
-is the size of the cache tensors actually allocated, measured with `Tensor.nbytes`.
+What the cache holds per token (T x N entries for Ouro, N for MELT, ...) is the model's
+`melt_eval.cache_layout.CacheLayout` with the run's options; the engine allocates its stores
+and asks `kv_cache.policy_for` for the rule that reads them. `peak_cache_bytes` is the size
+of the cache tensors actually allocated, measured with `Tensor.nbytes`.
 
 Memory is predictable: before anything is allocated, `plan_waves` computes one row's cache
 (`cache_bytes_per_row`, exact: the same shapes `_Caches` allocates) and splits the prompts x
@@ -23,7 +23,6 @@ with a `GenerationRequestError` (a UserError: one line at the CLI) naming the wr
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
@@ -31,11 +30,10 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from melt_eval.errors import UserError
-from melt_eval.generation.options import InferenceOptions
-from melt_eval.kv_bytes import kv_cache_bytes
-from melt_eval.modeling.kv_cache import PerLoopKV, PromptPerLoopThenSharedKV, StaticStore
+from melt_eval.generation.options import InferenceOptions, Sampling
+from melt_eval.cache_layout import CacheLayout, layout_of
+from melt_eval.modeling.kv_cache import StaticStore, policy_for
 from melt_eval.modeling.looplm import LoopLMForCausalLM
-from melt_eval.modeling.melt import MeltForCausalLM
 from melt_eval.units import format_bytes
 
 Tensor = torch.Tensor
@@ -109,37 +107,17 @@ def default_cache_budget(device) -> int:
     return int(free_device_bytes(device) * CACHE_SHARE.get(kind, 0.5))
 
 
-def _shared_cache(model, kv_sharing, share_prompt) -> bool:
-    return isinstance(model, MeltForCausalLM) or bool(kv_sharing and share_prompt)
+def run_layout(model, kv_sharing=None, share_prompt=False) -> CacheLayout:
+    """The cache of a generation run: the model's layout with the run's options (a LayoutError if they do not fit)."""
+    return layout_of(model.config, kv_sharing=kv_sharing, share_prompt=share_prompt)
 
 
 def cache_bytes_per_row(model, prompt_tokens: int, max_new_tokens: int, *, kv_sharing=None, share_prompt=False,
                         dtype=None) -> int:
     """Bytes of cache one (prompt, sample) row takes: the shapes `_Caches` allocates, without allocating."""
-    cfg = model.config
-    T, N = cfg.total_ut_steps, cfg.num_hidden_layers
     dtype = dtype or model.lm_head.weight.dtype
-    if _shared_cache(model, kv_sharing, share_prompt):
-        sharing = "shared"
-    elif kv_sharing is not None:  # "w/ prefill": per-loop prompt, shared generated tokens
-        sharing = "generated"
-    else:
-        sharing = "per_loop"
-    return kv_cache_bytes(layers=N, kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim, loops=T,
-                          tokens=prompt_tokens + max_new_tokens, prompt_tokens=prompt_tokens, sharing=sharing,
-                          bytes_per_value=torch.empty((), dtype=dtype).element_size())
-
-
-def check_sampling(*, n: int = 1, temperature: float, top_p: float, max_new_tokens: int) -> None:
-    """Sampling values that make sense, else a GenerationRequestError naming the value."""
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-        raise GenerationRequestError(f"max_new_tokens must be a whole number >= 1, got {max_new_tokens!r}")
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise GenerationRequestError(f"the number of samples must be a whole number >= 1, got {n!r}")
-    if not isinstance(temperature, (int, float)) or not math.isfinite(temperature) or temperature < 0:
-        raise GenerationRequestError(f"temperature must be a finite number >= 0 (0 = greedy), got {temperature!r}")
-    if not isinstance(top_p, (int, float)) or not math.isfinite(top_p) or not 0 < top_p <= 1:
-        raise GenerationRequestError(f"top_p must be in (0, 1], got {top_p!r}")
+    return run_layout(model, kv_sharing, share_prompt).nbytes(
+        prompt_tokens, max_new_tokens, bytes_per_value=torch.empty((), dtype=dtype).element_size())
 
 
 def plan_waves(model, *, prompt_tokens: int, max_new_tokens: int, rows: int, kv_sharing=None, share_prompt=False,
@@ -172,8 +150,7 @@ def plan_waves(model, *, prompt_tokens: int, max_new_tokens: int, rows: int, kv_
     per_row = cache_bytes_per_row(model, prompt_tokens, max_new_tokens, kv_sharing=kv_sharing,
                                   share_prompt=share_prompt, dtype=dtype)
     if per_row > max_cache_bytes:
-        N = cfg.num_hidden_layers
-        layout = f"{N} layers, shared across loops" if _shared_cache(model, kv_sharing, share_prompt) else f"{T} loops x {N} layers"
+        layout = run_layout(model, kv_sharing, share_prompt).describe()
         raise GenerationRequestError(
             f"one sample's KV cache needs {format_bytes(per_row)} ({layout}, {prompt_tokens} prompt + "
             f"{max_new_tokens} new tokens), more than the cache budget of {format_bytes(max_cache_bytes)}; "
@@ -185,37 +162,31 @@ def plan_waves(model, *, prompt_tokens: int, max_new_tokens: int, rows: int, kv_
 class _Caches:
     """The batched cache for one generate() call and the policy that reads it."""
 
-    def __init__(self, model, rows: int, p_max: int, max_new: int, kv_sharing, share_prompt, dtype, device):
-        cfg = model.config
-        T, N = cfg.total_ut_steps, cfg.num_hidden_layers
-        dims = dict(batch=rows, kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim, dtype=dtype, device=device)
-        per_loop = [(i, t) for t in range(T) for i in range(N)]
-        self.hybrid = kv_sharing is not None and not share_prompt
-        if isinstance(model, MeltForCausalLM) or (kv_sharing and share_prompt):
-            self.store = StaticStore(list(range(N)), capacity=p_max + max_new, **dims)
-            self.stores = [self.store]
-        elif self.hybrid:
-            self.prompt_store = StaticStore(per_loop, capacity=p_max, **dims)
-            self.gen_store = StaticStore(list(range(N)), capacity=max_new, **dims)
+    def __init__(self, layout: CacheLayout, rows: int, p_max: int, max_new: int, dtype, device):
+        dims = dict(batch=rows, kv_heads=layout.kv_heads, head_dim=layout.head_dim, dtype=dtype, device=device)
+        prompt_keys, generated_keys = layout.store_keys()
+        self.layout = layout
+        self.hybrid = prompt_keys != generated_keys  # the "w/ prefill" baselines: a store for each
+        if self.hybrid:
+            self.prompt_store = StaticStore(prompt_keys, capacity=p_max, **dims)
+            self.gen_store = StaticStore(generated_keys, capacity=max_new, **dims)
             self.stores = [self.prompt_store, self.gen_store]
         else:
-            self.store = StaticStore(per_loop, capacity=p_max + max_new, **dims)
+            self.store = StaticStore(prompt_keys, capacity=p_max + max_new, **dims)
             self.stores = [self.store]
 
     @property
     def nbytes(self) -> int:
         return sum(s.nbytes for s in self.stores)
 
-    def prefill_policy(self, model, rows: slice, start: int, kv_sharing):
+    def prefill_policy(self, rows: slice, start: int):
         """Policy writing one prompt into its rows, from column `start`."""
-        if self.hybrid:
-            return PerLoopKV(StaticStore.view_of(self.prompt_store, rows, start))
-        return model.make_policy(StaticStore.view_of(self.store, rows, start), kv_sharing=kv_sharing)
+        return policy_for(self.layout, StaticStore.view_of(self.prompt_store if self.hybrid else self.store, rows, start))
 
-    def decode_policy(self, model, kv_sharing):
+    def decode_policy(self):
         if self.hybrid:
-            return PromptPerLoopThenSharedKV(self.prompt_store, self.gen_store)
-        return model.make_policy(self.store, kv_sharing=kv_sharing)
+            return policy_for(self.layout, self.prompt_store, generated_store=self.gen_store)
+        return policy_for(self.layout, self.store)
 
     def replicate(self, src: int, dst: slice) -> None:
         for s in self.stores:
@@ -257,14 +228,14 @@ def generate(
     """
     if not isinstance(model, LoopLMForCausalLM):
         raise TypeError("the native engine runs LoopLM and MELT models; use transformers' generate for others")
-    if options.kv_sharing and isinstance(model, MeltForCausalLM):
-        raise ValueError("kv_sharing applies to LoopLM (Ouro) models; MELT always shares its KV cache")
+    run_layout(model, options.kv_sharing, options.share_prompt)  # refuses an option the model's cache does not take
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt needs at least one token")
-    check_sampling(n=n, temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens)
+    # the run options' check, its errors naming this call's arguments
+    Sampling.check(dict(samples=n, temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens),
+                   spelling="arguments", error=GenerationRequestError)
     loops = model.config.total_ut_steps
-    if options.loops is not None:
-        model.config.total_ut_steps = options.loops  # for this call only
+    options.apply_loops(model.config)  # for this call only
     try:
         return _generate(model, prompts, options, n=n, temperature=temperature, top_p=top_p,
                          max_new_tokens=max_new_tokens, seed=seed, eos_token_id=eos_token_id, stop=stop,
@@ -314,12 +285,12 @@ def _generate(model, prompts, options: InferenceOptions, *, n, temperature, top_
                 groups[-1][1] += 1
             else:
                 groups.append([i, 1])
-        caches = _Caches(model, len(wave), p_max, max_new_tokens, kv_sharing, share_prompt, dtype, device)
+        caches = _Caches(run_layout(model, kv_sharing, share_prompt), len(wave), p_max, max_new_tokens, dtype, device)
         peak = max(peak, caches.nbytes)
         seqs, lps, fins = _decode_wave(
             model, caches, [(prompts[i], k) for i, k in groups], generators, p_max=p_max,
             max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, eos=eos, stops=stops,
-            prefill_chunk=options.prefill_chunk, kv_sharing=kv_sharing, share_prompt=share_prompt, callback=callback,
+            prefill_chunk=options.prefill_chunk, kv_sharing=kv_sharing, callback=callback,
         )
         del caches
         sequences += seqs
@@ -339,11 +310,10 @@ def _generate(model, prompts, options: InferenceOptions, *, n, temperature, top_
 
 
 def _decode_wave(model, caches: _Caches, groups, generators, *, p_max, max_new_tokens, temperature, top_p, eos, stops,
-                 prefill_chunk, kv_sharing, share_prompt, callback):
+                 prefill_chunk, kv_sharing, callback):
     """Prefill and decode one wave: `groups` is [(prompt, rows of that prompt)], rows consecutive."""
     device = model.lm_head.weight.device
-    shared_prompt = kv_sharing is None or share_prompt
-    chunk = prefill_chunk if (isinstance(model, MeltForCausalLM) or (kv_sharing and share_prompt)) else None
+    chunk = prefill_chunk if caches.layout.prefill_chunk_matters else None  # else the prompt is one chunk
     rows = sum(k for _, k in groups)
 
     # Prefill: each prompt alone, into the first of its rows, then copied to the others.
@@ -351,13 +321,13 @@ def _decode_wave(model, caches: _Caches, groups, generators, *, p_max, max_new_t
     r0 = 0
     for prompt, k in groups:
         p_len = len(prompt)
-        policy = caches.prefill_policy(model, slice(r0, r0 + 1), p_max - p_len, kv_sharing if shared_prompt else None)
+        policy = caches.prefill_policy(slice(r0, r0 + 1), p_max - p_len)
         ids = torch.tensor([list(prompt)], device=device)
         step = chunk or p_len
         for s in range(0, p_len, step):
             e = min(s + step, p_len)
             pos = torch.arange(s, e, device=device)[None]
-            x, _ = model.model.run_chunk(ids[:, s:e], pos, policy, kv_sharing=kv_sharing if shared_prompt else None)
+            x, _ = model.model.run_chunk(ids[:, s:e], pos, policy, kv_sharing=kv_sharing)
         if k > 1:
             caches.replicate(r0, slice(r0 + 1, r0 + k))
         last_logits[r0 : r0 + k] = model.lm_head(x[:, -1]).float()
@@ -366,7 +336,7 @@ def _decode_wave(model, caches: _Caches, groups, generators, *, p_max, max_new_t
         caches.prompt_store.length = p_max
 
     # Decode: all rows together, one token per step.
-    policy = caches.decode_policy(model, kv_sharing)
+    policy = caches.decode_policy()
     if not caches.hybrid:
         caches.store.length = p_max
     prompt_lens = torch.tensor([len(p) for p, k in groups for _ in range(k)], device=device)
