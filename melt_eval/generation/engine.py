@@ -64,7 +64,7 @@ def row_seed(prompt_seed: int, sample: int) -> int:
 def sample_next(logits: Tensor, temperature: float, top_p: float, uniforms: Tensor | None) -> Tensor:
     """One token per row from [B, V] logits: greedy at temperature 0, else nucleus sampling by inverse
     transform of each row's uniform draw in [0, 1) (`uniforms`, [B]; `draw_uniforms`). One vectorised
-    step for all rows, where a multinomial per row's generator took 10% of a tiny model's evaluation."""
+    step for all rows: a multinomial per row's generator costs a kernel launch per row and step."""
     if temperature == 0:
         return logits.argmax(-1)
     probs = torch.softmax(logits.float() / temperature, dim=-1)
@@ -193,9 +193,10 @@ class _Caches:
             s.copy_rows(src, dst)
 
 
-# cuDNN's attention builds a new execution plan per call when the key length keeps changing,
-# which on an H100 cost ~4 ms of host time per call for the LoopLM's T x N cache buffers
-# (profiled: 70% of decode time); the other fused kernels do not, so decoding leaves it out.
+# cuDNN's attention builds a new execution plan per call when the key length keeps changing, host
+# time paid for each of the LoopLM's T x N cache buffers at every step (measured:
+# docs/results/2026-11-26-benchmarks.md#decode-native-engine); the other fused kernels do not,
+# so decoding leaves it out.
 _DECODE_ATTENTION = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
