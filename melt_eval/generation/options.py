@@ -3,8 +3,8 @@
 The CLI builds one (`melt-eval run` flags), `run_tasks` resolves the per-task sampling defaults
 (`for_task`), and the LightEval model and the generation backends (native engine, vLLM) read it
 whole. Every check of these values lives here; a wrong value is a one-line UserError naming the
-flag and the values it takes. The values `kv_sharing` takes are the cache policies the LoopLM
-model implements (`melt_eval.modeling.looplm.KV_SHARING`).
+flag and the values it takes. Whether `kv_sharing` fits a model's cache is for
+`melt_eval.cache_layout` to say, which also owns the values it takes.
 """
 
 from __future__ import annotations
@@ -12,15 +12,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
+from melt_eval.cache_layout import check_kv_sharing
 from melt_eval.errors import UserError
-from melt_eval.modeling.looplm import KV_SHARING
-
-
-def check_kv_sharing(value, flag: str = "--kv-sharing") -> None:
-    """The one check of a kv_sharing value: None (Ouro's per-loop cache) or a loop whose KV all loops share."""
-    if value not in KV_SHARING:
-        named = " or ".join(repr(v) for v in KV_SHARING if v is not None)
-        raise UserError(f"{flag} must be {named}, got {value!r}")
 
 
 def _whole(value) -> bool:
