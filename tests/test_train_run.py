@@ -98,9 +98,9 @@ def test_mismatched_teacher_is_refused_up_front(tmp_path):
 
 
 def test_nonfinite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, monkeypatch):
-    import melt_eval.training.runner as runner
+    import melt_eval.training.step as step
 
-    real = runner.objective
+    real = step.objective
     calls = {"n": 0}
 
     def poisoned(*args, **kwargs):
@@ -110,7 +110,7 @@ def test_nonfinite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, monke
             terms.total = terms.total * float("nan")
         return terms
 
-    monkeypatch.setattr(runner, "objective", poisoned)
+    monkeypatch.setattr(step, "objective", poisoned)
     out = tmp_path / "run"
     with pytest.raises(NonFiniteLoss, match=r"non-finite loss at step 3 .*last good checkpoint is .*step-000002"):
         run_recipe("tiny-phase1", "tiny-random-ouro", out, progress=False, overrides={**FAST_OVERRIDES, "max_steps": 5})

@@ -1,21 +1,22 @@
 """A training run directory seen from outside (`ablate`, the demo): its state, and the command that makes it.
 
-What marks a run finished or interrupted is the runner's business (its meta file, its recipe.yaml);
-callers ask here instead of reading those files.
+What marks a run finished or interrupted is the runner's business (run_files.py: its meta file, its
+recipe.yaml); callers ask here instead of reading those files.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from melt_eval.training.runner import _read_meta, read_metrics
+from melt_eval.training.metrics import read_metrics
+from melt_eval.training.run_files import read_meta
 
 FINISHED, INTERRUPTED, NOT_STARTED = "finished", "interrupted", "not started"
 
 
 def run_state(run_dir: Path) -> str:
     """FINISHED, INTERRUPTED (`--resume` continues it) or NOT_STARTED."""
-    meta = _read_meta(run_dir)  # an unreadable meta file is not "finished": --resume recovers it
+    meta = read_meta(run_dir)  # an unreadable meta file is not "finished": --resume recovers it
     if isinstance(meta, dict) and meta.get("status") == "finished":
         return FINISHED
     return INTERRUPTED if (run_dir / "recipe.yaml").exists() else NOT_STARTED

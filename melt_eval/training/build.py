@@ -1,0 +1,158 @@
+"""The student, the teacher, the optimiser and the data stream a recipe trains with.
+
+Every mismatch a run can know before its first step (a teacher of another shape, a phase-2 run from
+a LoopLM, one loop weight too many) is refused here, before any compute: a run that would fail or
+learn the wrong thing hours in must not start.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from melt_eval.errors import UserError
+from melt_eval.training.config import Recipe
+from melt_eval.training.data import DataStream
+from melt_eval.training.run_files import read_meta
+from melt_eval.training.step import Trainee
+
+SHAPE_FIELDS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                "num_key_value_heads", "head_dim", "vocab_size", "total_ut_steps")
+
+
+def check_teacher(student, teacher) -> None:
+    """Refuse a teacher whose architecture differs from the student's (before any compute)."""
+    bad = [f"{k}: student {getattr(student.config, k, None)} vs teacher {getattr(teacher.config, k, None)}"
+           for k in SHAPE_FIELDS if getattr(student.config, k, None) != getattr(teacher.config, k, None)]
+    t_shapes = {k: v.shape for k, v in teacher.state_dict().items()}
+    bad += [f"{k}: student {tuple(v.shape)} vs teacher {tuple(t_shapes[k])}"
+            for k, v in student.state_dict().items() if k in t_shapes and t_shapes[k] != v.shape][:5]
+    if bad:
+        raise UserError("the teacher does not match the student (" + "; ".join(bad) + "); pass the LoopLM the student was made from with --teacher")
+
+
+def recorded_teacher(model_dir: Path) -> str | None:
+    """The teacher the run that trained `model_dir` recorded, if it recorded one."""
+    meta = read_meta(model_dir)
+    return meta.get("teacher") if isinstance(meta, dict) else None
+
+
+def build_models(recipe: Recipe):
+    """(student, teacher or None, tokenizer, provenance dict) for the recipe."""
+    from melt_eval.modeling import LoopLMConfig, LoopLMForCausalLM, MeltForCausalLM, load_model
+    from melt_eval.modeling.loading import checkpoint_model_type, load_tokenizer, resolve_model_dir
+
+    if not recipe.from_model:
+        raise UserError("no starting model: pass --from MODEL (a registry name or checkpoint directory)")
+    from_dir = resolve_model_dir(recipe.from_model)
+    info = {"from_model": recipe.from_model, "from_path": str(from_dir)}
+    kind = checkpoint_model_type(from_dir)
+
+    if recipe.target == "looplm":
+        if kind != "ouro":
+            raise UserError(f"target looplm trains an Ouro-style LoopLM; {recipe.from_model} is {kind!r}")
+        if recipe.from_scratch:  # a fresh LoopLM with the architecture (and tokenizer) of from_model
+            config = LoopLMConfig.from_pretrained(from_dir)
+            for key, value in recipe.model_overrides.items():
+                if not hasattr(config, key):
+                    raise UserError(f"model_overrides: {key!r} is not a LoopLM config field")
+                setattr(config, key, value)
+            torch.manual_seed(recipe.seed)
+            student = LoopLMForCausalLM(config)
+            tokenizer = load_tokenizer(from_dir)
+        else:
+            if recipe.model_overrides:
+                raise UserError("model_overrides only apply with from_scratch: true")
+            student, tokenizer = load_model(from_dir)
+        return student, None, tokenizer, info
+
+    if recipe.from_scratch or recipe.model_overrides:
+        raise UserError("from_scratch/model_overrides are for target looplm; MELT starts from a trained model")
+    model, tokenizer = load_model(from_dir)
+    teacher = None
+    teacher_ref = recipe.teacher
+    if isinstance(model, MeltForCausalLM):
+        if teacher_ref is None:
+            teacher_ref = recorded_teacher(from_dir)
+        if teacher_ref is None and recipe.needs_teacher():
+            raise UserError(f"{recipe.from_model} is a MELT checkpoint with no recorded teacher; pass --teacher <the original LoopLM>")
+        student = model
+        if model.config.gate != recipe.gate:
+            info["gate_note"] = f"continuing the checkpoint's {model.config.gate!r} gate (recipe gate {recipe.gate!r} ignored)"
+    else:
+        if recipe.phase == 2:
+            raise UserError(f"phase 2 continues a phase-1 MELT checkpoint; {recipe.from_model} is a LoopLM (run phase 1 first)")
+        student = MeltForCausalLM.from_looplm(model, gate=recipe.gate, seed=recipe.gate_seed, ema_decay=recipe.ema_decay)
+        if teacher_ref is None:
+            teacher_ref, teacher = recipe.from_model, model  # the frozen copy of the starting LoopLM
+            info["teacher_path"] = str(from_dir)
+    if recipe.needs_teacher() and teacher is None:
+        teacher_dir = resolve_model_dir(teacher_ref)
+        if checkpoint_model_type(teacher_dir) != "ouro":
+            raise UserError(f"the teacher must be a LoopLM (Ouro) checkpoint; {teacher_ref} is {checkpoint_model_type(teacher_dir)!r}")
+        teacher, _ = load_model(teacher_dir)
+        info["teacher_path"] = str(teacher_dir)
+    info["teacher"] = teacher_ref
+    if teacher is not None:
+        check_teacher(student, teacher)
+        teacher.eval().requires_grad_(False)
+    elif model is not student:
+        del model  # no KD and no alignment: the starting LoopLM is not needed any more
+    return student, teacher, tokenizer, info
+
+
+def param_groups(model, recipe: Recipe) -> list[dict]:
+    """Two groups: MELT's gate parameters at gate_lr, everything else at lr."""
+    gate = list(model.gate_parameters()) if hasattr(model, "gate_parameters") else []
+    gate_ids = {id(p) for p in gate}
+    rest = [p for p in model.parameters() if p.requires_grad and id(p) not in gate_ids]
+    groups = [{"params": rest, "lr": recipe.lr, "base_lr": recipe.lr, "name": "base"}]
+    if gate:
+        groups.append({"params": gate, "lr": recipe.gate_lr, "base_lr": recipe.gate_lr, "name": "gate"})
+    return groups
+
+
+def prepare_student(student, recipe: Recipe) -> int:
+    """Put the student in training mode as the recipe asks; returns the row padding multiple."""
+    # Ouro's early-exit gate is never used (all T loops always run): freeze it so that DDP/FSDP
+    # see no parameter without a gradient.
+    student.model.early_exit_gate.requires_grad_(False)
+    student.train()
+    if recipe.gradient_checkpointing:
+        student.gradient_checkpointing_enable()
+    per_token = recipe.compile and recipe.target == "melt" and recipe.chunk_size == 1
+    if per_token:  # one compiled function per token: every token has the same shapes
+        student.model.compile_token_step()
+    elif recipe.compile:
+        student.model.compile_layer_step()
+    # a compiled layer step recompiles for every new chunk shape: pad rows to whole chunks
+    return recipe.chunk_size if recipe.compile and recipe.chunk_size and not per_token else 1
+
+
+def prepare_training(accelerator, recipe: Recipe, mixed_precision: str) -> tuple[Trainee, object, dict]:
+    """(what each step works on, the tokenizer, build_models' provenance) on this process."""
+    student, teacher, tokenizer, info = build_models(recipe)
+    loops = student.config.total_ut_steps
+    if recipe.loop_ce_weights and len(recipe.loop_ce_weights) != loops:
+        raise UserError(f"loop_ce_weights has {len(recipe.loop_ce_weights)} weights; {recipe.from_model} runs "
+                        f"T = {loops} loops: give one weight per loop")
+    if accelerator.is_main_process and info.get("gate_note"):
+        accelerator.print(f"note: {info['gate_note']}")
+    pad_multiple = prepare_student(student, recipe)
+    optimizer = torch.optim.AdamW(
+        param_groups(student, recipe), betas=tuple(recipe.adam_betas), eps=recipe.adam_eps, weight_decay=recipe.weight_decay
+    )
+    model, optimizer = accelerator.prepare(student, optimizer)
+    if teacher is not None:
+        teacher.to(accelerator.device, dtype=torch.bfloat16 if mixed_precision == "bf16" else torch.float32)
+
+    world = accelerator.num_processes
+    stream = DataStream(recipe.data, tokenizer, recipe.seq_len, seed=recipe.seed, shuffle_buffer=recipe.shuffle_buffer,
+                        rank=accelerator.process_index, world_size=world, overlong=recipe.overlong)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
+    learned_gate = any(True for _ in student.gate_parameters()) if hasattr(student, "gate_parameters") else False
+    trainee = Trainee(accelerator=accelerator, model=model, optimizer=optimizer, teacher=teacher, stream=stream,
+                      recipe=recipe, world=world, accum=recipe.grad_accum_steps(world), pad_id=pad_id,
+                      pad_multiple=pad_multiple, learned_gate=learned_gate)
+    return trainee, tokenizer, info

@@ -1,0 +1,173 @@
+"""One optimiser step: the micro-batches to the recipe's token batch, the objective, the update.
+
+Every micro-batch's loss is divided by the global number of loss tokens (summed over processes
+before the first forward), so the gradient is the whole token batch's however it is split into
+micro-batches and processes. A non-finite loss or gradient norm stops the run before
+the weights change, so the last checkpoint stays the last good state.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from melt_eval.errors import UserError
+from melt_eval.training.config import Recipe
+from melt_eval.training.data import DataStream, bucket, prompt_length
+from melt_eval.training.losses import objective
+
+
+class NonFiniteLoss(UserError):
+    """The loss or gradient norm stopped being finite; the weights were not updated."""
+
+
+@dataclass
+class Trainee:
+    """What a step works on, set up once per run (build.prepare_training)."""
+
+    accelerator: object
+    model: torch.nn.Module  # as prepared by Accelerate (DDP/FSDP-wrapped where it applies)
+    optimizer: torch.optim.Optimizer
+    teacher: torch.nn.Module | None
+    stream: DataStream
+    recipe: Recipe
+    world: int
+    accum: int  # micro-batches per optimiser step on each process
+    pad_id: int
+    pad_multiple: int
+    learned_gate: bool
+
+
+def lr_factor(step: int, recipe: Recipe) -> float:
+    """Linear warmup over `warmup_steps`, then cosine decay to `min_lr_ratio` at `max_steps`."""
+    if recipe.warmup_steps and step < recipe.warmup_steps:
+        return (step + 1) / recipe.warmup_steps
+    span = max(1, recipe.max_steps - recipe.warmup_steps)
+    progress = min(1.0, (step - recipe.warmup_steps) / span)
+    return recipe.min_lr_ratio + (1 - recipe.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def forward_objective(model, teacher, batch: dict, recipe: Recipe, step: int, *, n_loss_tokens: float, n_tokens: float,
+                      output_loop_states: bool | None = None, teacher_autocast=contextlib.nullcontext):
+    """One micro-batch through student (and teacher) and the recipe's objective at optimiser step `step`.
+
+    Returns (LossTerms, student output). The student runs chunk-wise at the step's alpha; the
+    teacher (the LoopLM, so chunking does not matter for it) runs without gradients. Neither
+    builds [B, L, V] logits: the objective computes them a block of loss rows at a time.
+    """
+    if output_loop_states is None:
+        output_loop_states = recipe.needs_loop_states()
+    ids, attn = batch["input_ids"], batch["attention_mask"]
+    align = recipe.align_beta > 0
+    teacher_out = None
+    if teacher is not None and (recipe.kd or align):
+        with torch.no_grad(), teacher_autocast():
+            teacher_out = teacher(ids, attention_mask=attn, output_loop_states=recipe.kd, output_attn_outputs=align,
+                                  compute_logits=False)
+
+    def loss_fn(student_head, out):  # runs inside the student's forward (FSDP-gathered weights, autocast)
+        return objective(out, teacher_out, ids, batch["loss_mask"], attn, kd=recipe.kd and teacher_out is not None,
+                         student_head=student_head, teacher_head=teacher.lm_head if teacher is not None else None,
+                         kd_beta=recipe.kd_beta, kd_temperature=recipe.kd_temperature, ce_weight=recipe.ce_weight,
+                         loop_weights=recipe.loop_ce_weights,
+                         align_beta=recipe.align_beta if teacher_out is not None else 0.0,
+                         n_loss_tokens=n_loss_tokens, n_tokens=n_tokens)
+
+    chunk_size, first_chunk = chunks(recipe, batch)
+    out = model(ids, attention_mask=attn, chunk_size=chunk_size, first_chunk=first_chunk, alpha=recipe.alpha(step),
+                output_loop_states=output_loop_states, output_attn_outputs=align, compute_logits=False, loss_fn=loss_fn)
+    return out.loss_terms, out
+
+
+def chunks(recipe: Recipe, batch: dict) -> tuple[int | None, int]:
+    """(chunk size, first chunk) of the student's forward."""
+    if recipe.target != "melt":
+        return None, 0  # a LoopLM's per-loop cache makes chunking irrelevant: one parallel pass
+    if not recipe.chunk_size:
+        return batch["input_ids"].shape[1], 0  # 0 = C = L, fully parallel
+    return recipe.chunk_size, prompt_length(batch["loss_mask"]) if recipe.prompt_as_one_chunk else 0
+
+
+def train_step(t: Trainee, step: int, tokens_seen: int, last_good: Path | None) -> dict:
+    """Optimiser step `step` (0-based); returns its metrics record, whose "step" is `step + 1`."""
+    t0 = time.perf_counter()
+    recipe, accelerator = t.recipe, t.accelerator
+    alpha = recipe.alpha(step)
+    factor = lr_factor(step, recipe)
+    for group in t.optimizer.param_groups:
+        group["lr"] = group["base_lr"] * factor
+    batches = bucket([t.stream.next() for _ in range(recipe.micro_batch_size * t.accum)], recipe.micro_batch_size,
+                     t.pad_id, t.pad_multiple)
+    counts = torch.tensor([sum(float(b["loss_mask"][:, 1:].sum()) for b in batches),
+                           sum(float(b["attention_mask"].sum()) for b in batches),
+                           sum(b["attention_mask"].numel() for b in batches)], device=accelerator.device)
+    n_loss, n_tok, n_slots = accelerator.reduce(counts, reduction="sum").tolist()
+    parts, gate_means = _accumulate(t, batches, step, n_loss, n_tok)
+    grad_norm = _update(t, step, parts, last_good)
+    tokens_seen += int(n_tok)
+    dt = time.perf_counter() - t0
+    record = {"step": step + 1, **parts, "alpha": alpha, "grad_norm": grad_norm, "tokens": int(n_tok),
+              "padding_fraction": 1.0 - n_tok / max(n_slots, 1.0),
+              "overlong_truncated": t.stream.truncated, "overlong_dropped": t.stream.dropped,
+              "tokens_seen": tokens_seen, "tokens_per_s": n_tok / dt, "step_time_s": dt}
+    for group in t.optimizer.param_groups:
+        record[f"lr.{group['name']}"] = group["lr"]
+    if gate_means is not None:
+        record["gate_mean"] = {f"layer{i}": [None if math.isnan(v) else round(v, 5) for v in row]
+                               for i, row in enumerate(gate_means.tolist())}
+        valid = gate_means[~torch.isnan(gate_means)]
+        record["gate_mean_all"] = float(valid.mean()) if valid.numel() else float("nan")
+    return record
+
+
+def _accumulate(t: Trainee, batches: list[dict], step: int, n_loss: float, n_tok: float):
+    """Forward and backward every micro-batch; returns the loss parts summed over all processes and
+    the last gate means the student reported (None if it reported none)."""
+    accelerator, recipe = t.accelerator, t.recipe
+    want_states = recipe.needs_loop_states() or (t.learned_gate and step % recipe.log_every == 0)
+    parts: dict[str, float] = {}
+    gate_means = None
+    for i, batch in enumerate(batches):
+        batch = {k: v.to(accelerator.device) for k, v in batch.items()}
+        sync = contextlib.nullcontext() if i == t.accum - 1 else accelerator.no_sync(t.model)
+        with sync:
+            terms, out = forward_objective(t.model, t.teacher, batch, recipe, step, n_loss_tokens=n_loss,
+                                           n_tokens=n_tok, output_loop_states=want_states,
+                                           teacher_autocast=accelerator.autocast)
+            # every process divided by the global token count; DDP averages gradients over processes
+            accelerator.backward(terms.total * t.world)
+        for k, v in terms.parts.items():
+            parts[k] = parts.get(k, 0.0) + v
+        parts["loss"] = parts.get("loss", 0.0) + float(terms.total.detach())
+        if getattr(out, "gate_means", None) is not None:
+            gate_means = out.gate_means
+        del out, terms
+    reduced = accelerator.reduce(torch.tensor([parts[k] for k in sorted(parts)], device=accelerator.device), reduction="sum")
+    return dict(zip(sorted(parts), reduced.tolist())), gate_means
+
+
+def _update(t: Trainee, step: int, parts: dict, last_good: Path | None) -> float:
+    """Clip and apply the accumulated gradients unless the loss or their norm is not finite; the norm."""
+    if not math.isfinite(parts["loss"]):
+        _stop_nonfinite("loss", step, parts, last_good, t.optimizer)
+    grad_norm = float(t.accelerator.clip_grad_norm_(t.model.parameters(), t.recipe.grad_clip))
+    if not math.isfinite(grad_norm):
+        _stop_nonfinite("gradient norm", step, parts, last_good, t.optimizer)
+    t.optimizer.step()
+    t.optimizer.zero_grad(set_to_none=True)
+    return grad_norm
+
+
+def _stop_nonfinite(what: str, step: int, parts: dict, last_good: Path | None, optimizer) -> None:
+    optimizer.zero_grad(set_to_none=True)
+    terms = ", ".join(f"{k}={v:.4g}" for k, v in sorted(parts.items()))
+    where = f"the last good checkpoint is {last_good}; continue from it with --resume" if last_good else "no checkpoint was written yet"
+    raise NonFiniteLoss(
+        f"non-finite {what} at step {step + 1} ({terms}); stopped before updating the weights; {where} "
+        "(lower lr/gate_lr or check the data)"
+    )
