@@ -42,7 +42,7 @@ class Recipe:
     ema_decay: float = 0.2
     gate_seed: int = 0
     teacher: str | None = None  # frozen LoopLM for KD/alignment; phase 1 default: the starting LoopLM
-    # --- objective (MELT.md "Losses") ------------------------------------------------------
+    # --- objective (docs/method.md#losses) ------------------------------------------------------
     chunk_size: int = 500  # C; 0 = the whole sequence (C = L, "no chunk-wise training")
     # The prompt as one chunk, the reply in chunks of C: the rule of a prefill chunk at least as long as the
     # prompt (vLLM prefills a prompt whole). The chunk is the micro-batch's shortest prompt.
@@ -52,7 +52,7 @@ class Recipe:
     kd_beta: float = 0.0  # generalised JSD beta: 0 = forward KL(teacher || student), 1 = reverse KL
     kd_temperature: float = 1.0
     ce_weight: float = 0.0  # extra final-loop cross-entropy added to the KD loss (0 = the paper's objective)
-    # The cross-entropy term over loops: [] = the final loop's only (MELT.md "Losses"); T weights = sum_t w_t CE_t,
+    # The cross-entropy term over loops: [] = the final loop's only (docs/method.md#sft); T weights = sum_t w_t CE_t,
     # every loop's exit predicting the next token, as Ouro is trained (its weights come from its exit gate)
     loop_ce_weights: list = field(default_factory=list)
     align_beta: float = 0.0  # attention-alignment weight beta (phase 2: 0.1); 0 = no alignment
@@ -77,8 +77,8 @@ class Recipe:
     gradient_checkpointing: bool = False
     # torch.compile each (layer, loop) step's pure parts (`compile_layer_step`); micro-batches are
     # then padded to a multiple of chunk_size so every chunk has one shape (no recompiles). MELT at
-    # chunk 1 compiles each token's whole chunk instead (`compile_token_step`: 0.43x the step time at the
-    # demo's size, 0.57x during the interpolation, after tens of seconds compiling per run; O(L^2) memory)
+    # chunk 1 compiles each token's whole chunk instead (`compile_token_step`, O(L^2) memory, worth its
+    # compile time at the demo's size: docs/results/2026-11-26-benchmarks.md#one-compiled-function-per-token)
     compile: bool = False  # in EXECUTION_FIELDS
     seed: int = 0
     # --- bookkeeping -----------------------------------------------------------------------

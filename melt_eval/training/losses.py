@@ -1,4 +1,4 @@
-"""The training objective of MELT.md "Losses", as functions of logits and attention outputs.
+"""The training objective (docs/method.md#losses), as functions of logits and attention outputs.
 
 All token-level terms are *sums* over the selected tokens; the caller divides by the
 number of loss tokens in the whole optimiser step (across micro-batches and processes),

@@ -36,10 +36,10 @@ class Logger:
         self.enabled = enabled
         self.path = output / "logs" / "metrics.jsonl"
         self.tb = None
+        self.note = None  # set before the early return: every process's caller reads it
         if not enabled:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.note = None
         if self.path.exists():  # drop records of steps the resumed run will redo, and lines cut by an interruption
             records, cut = read_metrics(self.path)
             keep = [line for line, record in records if isinstance(record.get("step"), int) and record["step"] <= resume_step]

@@ -78,16 +78,16 @@ def forward_objective(model, teacher, batch: dict, recipe: Recipe, step: int, *,
                          align_beta=recipe.align_beta if teacher_out is not None else 0.0,
                          n_loss_tokens=n_loss_tokens, n_tokens=n_tokens)
 
-    chunk_size, first_chunk = chunks(recipe, batch)
+    chunk_size, first_chunk = chunks(recipe, batch, getattr(model, "module", model).cache_layout())  # DDP/FSDP wrap it
     out = model(ids, attention_mask=attn, chunk_size=chunk_size, first_chunk=first_chunk, alpha=recipe.alpha(step),
                 output_loop_states=output_loop_states, output_attn_outputs=align, compute_logits=False, loss_fn=loss_fn)
     return out.loss_terms, out
 
 
-def chunks(recipe: Recipe, batch: dict) -> tuple[int | None, int]:
-    """(chunk size, first chunk) of the student's forward."""
-    if recipe.target != "melt":
-        return None, 0  # a LoopLM's per-loop cache makes chunking irrelevant: one parallel pass
+def chunks(recipe: Recipe, batch: dict, layout) -> tuple[int | None, int]:
+    """(chunk size, first chunk) of the student's forward, whose cache is `layout` (a CacheLayout)."""
+    if not layout.prefill_chunk_matters:
+        return None, 0  # e.g. a LoopLM's per-loop cache: chunking changes nothing, one parallel pass
     if not recipe.chunk_size:
         return batch["input_ids"].shape[1], 0  # 0 = C = L, fully parallel
     return recipe.chunk_size, prompt_length(batch["loss_mask"]) if recipe.prompt_as_one_chunk else 0
