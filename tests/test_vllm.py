@@ -302,14 +302,17 @@ def test_engine_check_refuses_a_model_that_is_not_the_plugins():
     gen = VllmGenerator.__new__(VllmGenerator)
     config = SimpleNamespace(total_ut_steps=4, num_hidden_layers=2, architectures=["OuroForCausalLM"])
     gen.llm = SimpleNamespace(llm_engine=SimpleNamespace(model_config=SimpleNamespace(hf_config=config)))
-    gen.model_dir, gen.shared_kv = Path("ouro-ckpt"), False
+    from melt_eval.cache_layout import cache_layout
+
+    dims = dict(loops=4, layers=2, kv_heads=2, head_dim=64)
+    gen.model_dir, gen.layout = Path("ouro-ckpt"), cache_layout("ouro", **dims)
     gen.kv_cache_info = lambda: {"model_class": "vllm.model_executor.models.ouro.OuroForCausalLM", "num_cache_layers": 2}
     with pytest.raises(UserError, match="not melt-eval's model with 8 cache layers"):
         gen._check_plugin_model()
     gen.kv_cache_info = lambda: {"model_class": "melt_eval.vllm_plugin.models.OuroForCausalLM", "num_cache_layers": 2}
     with pytest.raises(UserError, match="2 cache layers"):  # the plugin's class, but caches shared: not Ouro's layout
         gen._check_plugin_model()
-    gen.shared_kv = True
+    gen.layout = cache_layout("ouro", **dims, kv_sharing="last", share_prompt=True)
     gen._check_plugin_model()  # N caches for a shared layout: fine
 
 
