@@ -1,5 +1,6 @@
 """What produced a file: package versions and the harness's git state, recorded beside results
-(`results.json["versions"]`) and training outputs (`melt_eval_train.json["code"]`)."""
+(`results.json["versions"]`, and its top-level "git_commit" and "git_dirty") and training outputs
+(`melt_eval_train.json["code"]`)."""
 
 from __future__ import annotations
 

@@ -158,7 +158,8 @@ class HarnessModel(LightevalModel):
                 self.generated_tokens += tokens
             if self.on_batch:
                 self.on_batch(len(idx), sum(batch.tokens))
-        return [ModelResponse(input=d.query, text=list(self.store.done[k]["completions"])) for d, k in zip(docs, keys)]
+        # input: the prompt text, as LightEval's own models report it (its details files keep it)
+        return [ModelResponse(input=self.prompt_text(d), text=list(self.store.done[k]["completions"])) for d, k in zip(docs, keys)]
 
     def loglikelihood(self, docs):
         raise NotImplementedError("melt-eval tasks are generative")
@@ -170,14 +171,18 @@ class HarnessModel(LightevalModel):
         pass
 
     # helpers --------------------------------------------------------------------------------------
-    def encode(self, doc: Doc) -> list[int]:
+    def prompt_text(self, doc: Doc) -> str:
         """The prompt exactly as LightEval builds it for a local model (its PromptManager: system prompt,
         the task's instruction, the model's chat template); plain text where the tokenizer has no template."""
         from lighteval.tasks.prompt_manager import PromptManager
 
         chat = bool(getattr(self._tokenizer, "chat_template", None))
-        text = PromptManager(use_chat_template=chat, tokenizer=self._tokenizer, system_prompt=self.system_prompt).prepare_prompt(doc)
-        return self._tokenizer.encode(text, add_special_tokens=not chat)
+        return PromptManager(use_chat_template=chat, tokenizer=self._tokenizer, system_prompt=self.system_prompt).prepare_prompt(doc)
+
+    def encode(self, doc: Doc) -> list[int]:
+        """`prompt_text` as token ids."""
+        chat = bool(getattr(self._tokenizer, "chat_template", None))
+        return self._tokenizer.encode(self.prompt_text(doc), add_special_tokens=not chat)
 
     @staticmethod
     def _eos_ids(tokenizer) -> list[int]:

@@ -2,8 +2,10 @@
 
     <results_dir>/<task>/run.json           the settings this directory belongs to (written first)
     <results_dir>/<task>/completions.jsonl  finished problems, appended as they finish (resume)
-    <results_dir>/<task>/details.jsonl      per problem: completions, extracted answers, correctness
-    <results_dir>/<task>/results.json       metrics; written last and atomically ("finished": true)
+    <results_dir>/<task>/details.jsonl      per problem: prompt, completions, extracted answers, correctness
+    <results_dir>/<task>/results_<date>.json, details/<model>/<date>/details_<task>|0_<date>.parquet
+                                            LightEval's own results and details (its EvaluationTracker; see outputs.py)
+    <results_dir>/<task>/results.json       metrics, date, git commit; written last and atomically ("finished": true)
     <results_dir>/<task>/.melt-eval.lock    held while a run writes the directory (one writer at a time)
 
 LightEval 0.13 offline: its Registry imports every built-in task module and two of them reach the
@@ -28,7 +30,7 @@ from melt_eval.files import DirLock, clear_directory, write_json_atomic, write_t
 from melt_eval.generation.backends import BackendSettings, ReplayBackend, make_backend
 from melt_eval.generation.options import InferenceOptions, Sampling
 from melt_eval.protocol.tasks import expand
-from melt_eval.provenance import package_versions
+from melt_eval.provenance import git_state, package_versions
 
 
 @contextmanager
@@ -78,8 +80,11 @@ def quiet_lighteval():
             lg.setLevel(level)
 
 
-def evaluate(spec: TaskSpec, rows: list[dict], model: HarnessModel, workdir: Path):
-    """One LightEval Pipeline run of one task at the model's sample count; returns (metrics, details)."""
+def evaluate(spec: TaskSpec, rows: list[dict], model: HarnessModel, workdir: Path, *, save_to: Path | None = None):
+    """One LightEval Pipeline run of one task at the model's sample count; returns (metrics, details, saved):
+    with `save_to`, LightEval writes its results and details files there (`saved`: their paths and date)."""
+    from melt_eval.evaluation.outputs import save_lighteval, tracker_settings
+
     import torch
 
     grad_mode = torch.is_grad_enabled()
@@ -93,17 +98,18 @@ def evaluate(spec: TaskSpec, rows: list[dict], model: HarnessModel, workdir: Pat
     config = task_config(spec, model.options.sampling.samples)
     with lighteval_scope({spec.name: config}, {spec.name: rows}), quiet_lighteval():
         params = PipelineParameters(launcher_type=ParallelismManager.CUSTOM, remove_reasoning_tags=True)
-        tracker = EvaluationTracker(output_dir=str(workdir), save_details=False)
+        tracker = EvaluationTracker(**tracker_settings(save_to, workdir))
         pipeline = Pipeline(tasks=spec.name, pipeline_parameters=params, evaluation_tracker=tracker, model=model)
         pipeline.evaluate()
         results = pipeline.get_results()["results"][f"{spec.name}:0"]
         details = _details(spec, pipeline.get_details()[f"{spec.name}|0"])
+        saved = save_lighteval(pipeline, save_to, model.options.sampling) if save_to else ({}, None)
     metrics = {}
     for key, value in results.items():
         if key.endswith("_stderr"):
             continue
         metrics[metric_name(key, spec)] = {"value": float(value), "stderr": _num(results.get(f"{key}_stderr"))}
-    return metrics, details
+    return metrics, details, saved
 
 
 def _num(x):
@@ -124,6 +130,7 @@ def _details(spec: TaskSpec, details) -> list[dict]:
             rows.append({"text": text, "extracted": spec.extract(doc, text, fn), "correct": bool(correct)})
         out.append({
             "index": (doc.specific or {}).get("index"), "id": (doc.specific or {}).get("id"),
+            "prompt": response.input if isinstance(response.input, str) else doc.query,
             "gold": doc.get_golds()[0], "completions": rows,
             "metrics": {metric_name(k, spec): float(v) for k, v in metrics.items()},
         })
@@ -278,11 +285,13 @@ def run_tasks(
     force: bool = False,
     progress: bool = True,
     unsafe_local_exec: bool = False,
+    log_samples: bool = False,
 ) -> list[dict]:
     """Evaluate `model` (registry name or checkpoint directory) on `tasks` (names or groups) with the
     paper's protocol; see docs/CONTRACTS.md. `options`: how the model generates (sample count and
     length left None take each task's own); `paths`: where results go and rows come from; `backend`:
-    what generates; `max_problems`: the first N problems of each task."""
+    what generates; `max_problems`: the first N problems of each task; `log_samples`: also write
+    lm-evaluation-harness's samples_<task>_<date>.jsonl."""
     names = expand(tasks)
     if not names:
         raise UserError(f"no task given ({tasks!r}); name one or more tasks or groups, comma-separated "
@@ -322,14 +331,16 @@ def run_tasks(
             with DirLock(task_dir, "evaluation"):  # a second run (or --force) into this directory is refused
                 loaded.backend.start()  # vLLM starts only when something is left to generate, before any file is written
                 _claim(task_dir, identity, force)
-                out.append(_run_one(spec, rows[task], loaded, task_options, identity, task_dir, progress))
+                out.append(_run_one(spec, rows[task], loaded, task_options, identity, task_dir, progress, log_samples))
     finally:
         if loaded is not None:
             loaded.backend.close()  # vLLM's engine holds its cache memory until closed
     return out
 
 
-def _run_one(spec, rows, loaded: LoadedModel, options: InferenceOptions, identity, task_dir: Path, progress: bool) -> dict:
+def _run_one(spec, rows, loaded: LoadedModel, options: InferenceOptions, identity, task_dir: Path, progress: bool,
+             log_samples: bool = False) -> dict:
+    from melt_eval.evaluation.outputs import finish_stamp, write_samples
     from melt_eval.progress import task_progress
 
     store = CompletionStore(task_dir / "completions.jsonl")
@@ -337,14 +348,21 @@ def _run_one(spec, rows, loaded: LoadedModel, options: InferenceOptions, identit
     with task_progress(f"{identity['model']} / {spec.name}", len(rows), options.sampling.samples,
                        enabled=progress) as on_batch:
         model = HarnessModel(loaded.display, loaded.tokenizer, loaded.backend, options, store, on_batch=on_batch)
-        metrics, details = evaluate(spec, rows, model, task_dir / ".lighteval")
+        metrics, details, (lighteval_files, lighteval_date) = evaluate(spec, rows, model, task_dir / ".lighteval", save_to=task_dir)
     write_text_atomic(task_dir / "details.jsonl", "".join(json.dumps(row) + "\n" for row in details))
+    date, date_id = finish_stamp()  # this run's finish: a resumed run's is its own, not the interrupted one's
+    if log_samples:
+        lighteval_files["samples"] = write_samples(task_dir, spec.name, lighteval_date or date_id, details, rows,
+                                                   options.sampling)
+    code = git_state()
     result = {
         "model": identity["model"], "task": spec.name, "finished": True, "metrics": metrics,
         "settings": identity["settings"], "model_path": identity["model_path"], "config_hash": identity["config_hash"],
         "versions": versions(), "wall_time_s": round(time.perf_counter() - started, 3),
         "generated_tokens": sum(r.get("tokens", 0) for r in store.done.values()),
         "peak_cache_bytes": loaded.backend.peak_cache_bytes or None, "num_problems": len(rows),
+        "date": date, "git_commit": code.get("git_sha"), "git_dirty": code.get("git_dirty"),
+        "lighteval_files": lighteval_files,  # relative to this directory
     }
     if hasattr(loaded.backend, "describe"):
         result.update(loaded.backend.describe())  # the engine or server the samples came from
@@ -387,7 +405,7 @@ def score_completions(task: str, completions_file: str | Path, *, data_dir=None,
         # nothing is generated: the sample count is what a problem's stored completions are checked against
         replay = InferenceOptions(sampling=Sampling(samples=samples, temperature=0.0, top_p=1.0, max_new_tokens=1))
         model = HarnessModel("score", _NullTokenizer(), ReplayBackend(), replay, store)
-        metrics, details = evaluate(spec, [rows[p] for p in sorted(by_position)], model, Path(tmp) / "lighteval")
+        metrics, details, _ = evaluate(spec, [rows[p] for p in sorted(by_position)], model, Path(tmp) / "lighteval")
     return {"task": spec.name, "num_problems": len(by_position), "metrics": metrics, "details": details}
 
 
