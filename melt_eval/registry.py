@@ -4,7 +4,8 @@
 (cached; works with HF_HUB_OFFLINE=1 once downloaded), `tiny-random-*` models are built
 locally and deterministically on first use, `melt-1.6b` is whatever `melt-eval train`
 wrote (set MELT_EVAL_MELT_1_6B or pass the checkpoint path). Any existing directory
-may be given in place of a name.
+may be given in place of a name, and so may any Hub id `ORG/NAME[@REVISION]` (fetched through
+huggingface_hub's standard cache; these names are short aliases of Hub ids).
 """
 
 from __future__ import annotations
@@ -152,5 +153,5 @@ def get_spec(name: str) -> ModelSpec:
         return MODELS[name]
     except KeyError:
         raise UserError(
-            f"unknown model {name!r}; known models: {', '.join(MODELS)} (or pass a checkpoint directory)"
+            f"unknown model {name!r}; known models: {', '.join(MODELS)} (or pass a checkpoint directory or a Hugging Face Hub id ORG/NAME[@REVISION])"
         ) from None

@@ -19,6 +19,30 @@ LOCAL_SCHEMA = {  # what a --data-dir file needs per task kind (the Hub dataset'
 }
 
 
+def check_data_dir(specs: list[TaskSpec], data_dir: str | Path | None) -> None:
+    """--data-dir checked before any row, dataset or model is loaded: a directory holding each task's file
+    (tasks with a built-in generator need none)."""
+    if data_dir is None:
+        return
+    path = Path(data_dir)
+    if not path.exists():
+        raise UserError(f"--data-dir {data_dir} does not exist; pass the directory holding <task>.jsonl files")
+    if not path.is_dir():
+        raise UserError(f"--data-dir {data_dir} is a file, not a directory; pass the directory holding <task>.jsonl files")
+    for spec in specs:
+        if spec.hf_repo is not None:
+            _local_file(spec, path)
+
+
+def check_completions_file(path: str | Path) -> None:
+    """--completions checked before any row or dataset is loaded: a file that exists."""
+    path = Path(path)
+    if not path.exists():
+        raise UserError(f"completions file {path} does not exist")
+    if path.is_dir():
+        raise UserError(f"--completions {path} is a directory; pass a JSONL file")
+
+
 def load_rows(spec: TaskSpec, data_dir: str | Path | None, max_problems: int | None) -> list[dict]:
     """The evaluation split's rows, in order, each with its position as `_position` (LightEval owns `__index`)."""
     if spec.hf_repo is None:
@@ -43,7 +67,7 @@ def load_rows(spec: TaskSpec, data_dir: str | Path | None, max_problems: int | N
     return rows
 
 
-def _read_local(spec: TaskSpec, data_dir: Path) -> list[dict]:
+def _local_file(spec: TaskSpec, data_dir: Path) -> Path:
     for suffix in (".jsonl", ".json", ".parquet"):
         path = data_dir / f"{spec.name}{suffix}"
         if path.is_dir():
@@ -52,6 +76,11 @@ def _read_local(spec: TaskSpec, data_dir: Path) -> list[dict]:
             break
     else:
         raise UserError(f"no {spec.name}.jsonl or {spec.name}.parquet in {data_dir}; add it or drop --data-dir to use the Hub")
+    return path
+
+
+def _read_local(spec: TaskSpec, data_dir: Path) -> list[dict]:
+    path = _local_file(spec, data_dir)
     if path.suffix == ".parquet":
         import pandas as pd
 
@@ -84,10 +113,7 @@ def _read_hub(spec: TaskSpec) -> list[dict]:
 
 def read_completions(path: Path, rows: list[dict]) -> dict[int, list[str]]:
     """{position in the split: completions} from `{"index"|"id": ..., "completions": [...]}` lines."""
-    if not path.exists():
-        raise UserError(f"completions file {path} does not exist")
-    if path.is_dir():
-        raise UserError(f"--completions {path} is a directory; pass a JSONL file")
+    check_completions_file(path)
     ids = {str(row_id(r)): i for i, r in enumerate(rows) if row_id(r) is not None}
     out: dict[int, list[str]] = {}
     for where, row in read_json_lines(path):

@@ -281,13 +281,14 @@ def run_tasks(
     paths: RunPaths = RunPaths(),
     *,
     backend: BackendSettings = BackendSettings(),
+    revision: str | None = None,
     max_problems: int | None = None,
     force: bool = False,
     progress: bool = True,
     unsafe_local_exec: bool = False,
     log_samples: bool = False,
 ) -> list[dict]:
-    """Evaluate `model` (registry name or checkpoint directory) on `tasks` (names or groups) with the
+    """Evaluate `model` (registry name, checkpoint directory or Hub id) on `tasks` (names or groups) with the
     paper's protocol; see docs/CONTRACTS.md. `options`: how the model generates (sample count and
     length left None take each task's own); `paths`: where results go and rows come from; `backend`:
     what generates; `max_problems`: the first N problems of each task; `log_samples`: also write
@@ -299,9 +300,18 @@ def run_tasks(
     if max_problems is not None and max_problems < 1:
         raise UserError(f"--max-problems must be at least 1, got {max_problems}")
     _check_paths(paths)
-    # every task's data first: a missing file fails before any model is loaded
-    rows = {task: data.load_rows(SPECS[task], paths.data_dir, max_problems) for task in names}
+    # what can be checked locally is, before any dataset, Hub or model load: the model's name (offline,
+    # that a Hub model is in the cache), --data-dir's files, the backend's option combinations, the sandbox
+    from melt_eval.generation.backends import check_backend_settings
+    from melt_eval.modeling.loading import check_model
+
+    ref = check_model(model, revision)  # `revision`: of a Hub id (ORG/NAME[@REVISION] says it too)
+    model = ref.text
+    data.check_data_dir([SPECS[task] for task in names], paths.data_dir)
+    check_backend_settings(options, backend)
     _require_sandbox(names, unsafe_local_exec)
+    # every task's data next: a missing or bad file fails before any model is loaded
+    rows = {task: data.load_rows(SPECS[task], paths.data_dir, max_problems) for task in names}
     loaded = None
     out = []
     try:
@@ -311,7 +321,7 @@ def run_tasks(
             sampling = task_options.sampling
             if loaded is None:
                 loaded = LoadedModel(model, options, backend)
-                loaded.display = paths.name or loaded.display
+                loaded.display = paths.name or ref.display  # a Hub model runs under its repository's name
             task_dir = (Path(paths.results_dir) if paths.results_dir else Path(paths.output) / loaded.display) / task
             # the run's identity: these keys and values are those of every earlier version (results resume)
             run_settings = {
@@ -390,8 +400,10 @@ def score_completions(task: str, completions_file: str | Path, *, data_dir=None,
     names = expand(task)
     if len(names) != 1:
         raise UserError("score takes one task")
-    _require_sandbox(names, unsafe_local_exec)
     spec = SPECS[names[0]]
+    data.check_completions_file(completions_file)  # the files first: before any dataset is loaded
+    data.check_data_dir([spec], data_dir)
+    _require_sandbox(names, unsafe_local_exec)
     rows = data.load_rows(spec, data_dir, max_problems)
     by_position = data.read_completions(Path(completions_file), rows)
     with tempfile.TemporaryDirectory(prefix="melt-eval-score-") as tmp:

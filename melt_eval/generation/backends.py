@@ -262,21 +262,10 @@ def _vllm_generator():
     return VllmGenerator
 
 
-def make_backend(model: str, options: InferenceOptions, settings: BackendSettings) -> LoadedBackend:
-    """The backend `settings.kind` for `model` (registry name or checkpoint directory), refusing first the
-    options that backend or model cannot take. Native loads the model; vLLM and an endpoint load only the
-    tokenizer and the config. `--loops` is applied here, once (`InferenceOptions.apply_loops`)."""
-    from melt_eval.modeling import load_model
-    from melt_eval.modeling.loading import checkpoint_model_type, load_tokenizer, resolve_model_dir
-
+def check_backend_settings(options: InferenceOptions, settings: BackendSettings) -> None:
+    """The option combinations `settings.kind` refuses whatever the model: checked before any data or
+    model is loaded (run_tasks) and again by make_backend."""
     kind = settings.kind
-    generator_cls = _vllm_generator() if kind == "vllm" else None  # fail before any download or load
-    model_dir = resolve_model_dir(model)
-    looped = checkpoint_model_type(model_dir) in ("ouro", "melt")
-    if options.loops is not None and not looped:
-        raise UserError("--loops applies to looped models (Ouro, MELT) only")
-    if not looped and (options.kv_sharing or options.share_prompt):
-        raise UserError("--kv-sharing and --share-prompt apply to LoopLM (Ouro) models only")
     engine = {k: v for k, v in (settings.engine or {}).items() if v is not None}
     if engine and kind != "vllm":
         flags = ", ".join("--" + k.replace("_", "-") for k in engine)
@@ -289,6 +278,26 @@ def make_backend(model: str, options: InferenceOptions, settings: BackendSetting
                         "--backend endpoint: pass them to `melt-eval serve` and drop them here")
     if kind == "vllm" and options.share_prompt:
         raise UserError("--share-prompt is a native-engine option; drop it or use --backend native")
+
+
+def make_backend(model: str, options: InferenceOptions, settings: BackendSettings) -> LoadedBackend:
+    """The backend `settings.kind` for `model` (registry name, checkpoint directory or Hub id
+    ORG/NAME[@REVISION]), refusing first the options that backend or model cannot take. Native loads the
+    model; vLLM and an endpoint load only the tokenizer and the config. `--loops` is applied here, once
+    (`InferenceOptions.apply_loops`)."""
+    from melt_eval.modeling import load_model
+    from melt_eval.modeling.loading import checkpoint_model_type, load_tokenizer, resolve_model_dir
+
+    kind = settings.kind
+    generator_cls = _vllm_generator() if kind == "vllm" else None  # fail before any download or load
+    check_backend_settings(options, settings)
+    model_dir = resolve_model_dir(model)
+    looped = checkpoint_model_type(model_dir) in ("ouro", "melt")
+    if options.loops is not None and not looped:
+        raise UserError("--loops applies to looped models (Ouro, MELT) only")
+    if not looped and (options.kv_sharing or options.share_prompt):
+        raise UserError("--kv-sharing and --share-prompt apply to LoopLM (Ouro) models only")
+    engine = {k: v for k, v in (settings.engine or {}).items() if v is not None}
 
     if kind == "native":
         device = "cuda" if torch.cuda.is_available() else "cpu"

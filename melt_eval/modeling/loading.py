@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -14,7 +16,7 @@ from melt_eval.modeling.looplm import LoopLMForCausalLM
 from melt_eval.modeling.melt import MeltForCausalLM
 from melt_eval.modeling.quiet import quiet_transformers
 from melt_eval.modeling.tiny import build_tiny_model
-from melt_eval.registry import MODELS, cache_home, get_spec
+from melt_eval.registry import MODELS, ModelSpec, cache_home, get_spec
 
 
 LOOPED_TYPES = ("ouro", "melt")
@@ -46,6 +48,8 @@ def read_config(model_dir: Path) -> dict:
         if arch in ARCHITECTURES and ARCHITECTURES[arch] != model_type:
             raise UserError(f"{config_file}: model_type {model_type!r} does not match its architecture {arch} "
                             f"(model_type {ARCHITECTURES[arch]!r}); fix the config")
+    if model_type not in LOOPED_TYPES:
+        _check_known_architecture(config_file, config)
     if model_type in LOOPED_TYPES:
         for name in LOOPED_INT_FIELDS + LOOPED_OPTIONAL_INT_FIELDS:
             if name not in config or (config[name] is None and name in LOOPED_OPTIONAL_INT_FIELDS):
@@ -54,6 +58,23 @@ def read_config(model_dir: Path) -> dict:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise UserError(f"{config_file}: {name} must be a whole number >= 1, got {value!r}")
     return config
+
+
+def _check_known_architecture(config_file: Path, config: dict) -> None:
+    """A non-looped checkpoint loads through transformers' own classes; one whose architecture only its
+    repository's code defines (auto_map) is refused: melt-eval never sets trust_remote_code."""
+    import transformers
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    model_type = config["model_type"]
+    if model_type in CONFIG_MAPPING_NAMES:
+        return
+    if config.get("auto_map"):
+        raise UserError(f"{config_file}: model_type {model_type!r} is defined by the checkpoint's own code (auto_map), "
+                        "which needs trust_remote_code; melt-eval never runs a repository's code: use a model "
+                        f"transformers {transformers.__version__} implements, or a LoopLM/MELT checkpoint")
+    raise UserError(f"{config_file}: model_type {model_type!r} is unknown to transformers {transformers.__version__}; "
+                    "upgrade transformers or pass a checkpoint of an architecture it implements")
 
 
 def checkpoint_model_type(model_dir: Path) -> str:
@@ -177,17 +198,165 @@ def load_tokenizer(model_dir: Path):
                         f"{_first_line(exc)}; fix or re-download those files") from None
 
 
-def resolve_model_dir(name_or_path: str) -> Path:
-    """Return a local checkpoint directory for a registry name or a path."""
-    path = Path(name_or_path).expanduser()
+# A Hugging Face repository id: ORG/NAME, letters, digits, "-", "_" and "." (no "--" or ".." inside).
+HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,95}/[A-Za-z0-9][A-Za-z0-9_.-]{0,95}$")
+# What a checkpoint needs from a Hub repository: config, tokenizer files, safetensors weights.
+HUB_PATTERNS = ["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja"]
+REFERENCE_HELP = "pass an existing checkpoint directory, a registry name (melt-eval models) or a Hub id ORG/NAME[@REVISION]"
+
+
+@dataclass(frozen=True)
+class ModelRef:
+    """What `--model` names, read without touching the network: a local directory, a registry name, or a
+    Hugging Face Hub repository (a registry name may stand for one) at a revision."""
+
+    text: str  # as given (with "@REVISION" where the revision came as a parameter)
+    path: Path | None = None  # a local directory
+    spec: ModelSpec | None = None  # a registry name
+    repo_id: str | None = None  # a Hub repository, fetched through huggingface_hub's cache
+    revision: str | None = None
+
+    @property
+    def display(self) -> str:
+        """The name results are filed under: the registry name, the Hub repository's name (with its
+        revision where one was asked for), or the directory's name."""
+        if self.spec is not None and self.revision is None:
+            return self.spec.name
+        if self.repo_id is not None:
+            name = self.spec.name if self.spec is not None else self.repo_id.split("/")[1]
+            return f"{name}@{self.revision}" if self.revision else name
+        return self.path.resolve().name or "model"
+
+
+def _path_like(text: str) -> bool:
+    return text.startswith((".", "/", "~")) or "\\" in text or text.count("/") > 1 or text.endswith("/")
+
+
+def parse_model_ref(name_or_path: str, revision: str | None = None) -> ModelRef:
+    """`--model` (and a revision) checked locally: a directory that exists, a known registry name, or a
+    well-formed Hub id ORG/NAME[@REVISION]; else a one-line UserError naming it. Never reaches the network."""
+    text = str(name_or_path)
+    if revision is not None and (not isinstance(revision, str) or not revision.strip() or any(c.isspace() for c in revision)):
+        raise UserError(f"revision {revision!r} must be a branch, tag or commit of the Hub repository (no spaces)")
+    if not text.strip():
+        raise UserError(f"--model is empty; {REFERENCE_HELP}")
+    path = Path(text).expanduser()
     if path.is_dir():
-        return path
-    if name_or_path not in MODELS and ("/" in name_or_path or name_or_path.startswith(".")):
-        raise UserError(f"checkpoint directory {name_or_path!r} does not exist; pass an existing directory or a model name")
-    spec = get_spec(name_or_path)
-    if spec.tiny:
+        if revision is not None:
+            raise UserError(f"--model {text}: a revision ({revision}) applies to Hub ids (ORG/NAME), not a local directory")
+        return ModelRef(text, path=path)
+    if text in MODELS:
+        spec = MODELS[text]
+        if revision is not None and spec.hub_id is None:
+            raise UserError(f"--model {text}: a revision ({revision}) applies to Hub models; {text} is {spec.source}")
+        if spec.hub_id is not None and revision is not None:
+            return ModelRef(f"{text}@{revision}", spec=spec, repo_id=spec.hub_id, revision=revision)
+        return ModelRef(text, spec=spec, repo_id=spec.hub_id)
+    if _path_like(text):
+        raise UserError(f"checkpoint directory {text!r} does not exist; {REFERENCE_HELP}")
+    repo, at, rev = text.partition("@")
+    if at:
+        if not rev or any(c.isspace() for c in rev):
+            raise UserError(f"--model {text!r}: the revision after '@' is empty or has spaces; {REFERENCE_HELP}")
+        if revision is not None and revision != rev:
+            raise UserError(f"--model {text!r} names revision {rev}, the revision parameter {revision}; give one")
+        revision = rev
+    if repo in MODELS and MODELS[repo].hub_id is not None:  # a registry alias at a revision
+        return ModelRef(text if at else f"{repo}@{revision}", spec=MODELS[repo], repo_id=MODELS[repo].hub_id,
+                        revision=revision)
+    if "/" not in repo:
+        get_spec(repo)  # unknown model: the error lists the registry names
+    if not HUB_ID.match(repo) or "--" in repo or ".." in repo:
+        raise UserError(f"--model {text!r} is neither an existing directory nor a Hub id ORG/NAME[@REVISION]; "
+                        f"{REFERENCE_HELP}")
+    return ModelRef(repo + (f"@{revision}" if revision else ""), repo_id=repo, revision=revision)
+
+
+def hub_offline() -> bool:
+    """HF_HUB_OFFLINE (or TRANSFORMERS_OFFLINE) as huggingface_hub reads it, when it is imported."""
+    from huggingface_hub import constants
+
+    return bool(constants.HF_HUB_OFFLINE)
+
+
+_REACHABLE: dict[str, bool] = {}
+
+
+def hub_reachable(timeout: float = 3.0) -> bool:
+    """One quick TCP connection to the Hub's endpoint (once per process): without a network, the model is
+    looked up in the local cache only instead of spending seconds in the Hub client's retries. With a
+    proxy configured the client is trusted to reach the Hub through it."""
+    import socket
+    from urllib.parse import urlparse
+
+    from huggingface_hub import constants
+
+    if any(os.environ.get(k) for k in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")):
+        return True
+    url = urlparse(constants.ENDPOINT)
+    host, port = url.hostname or "huggingface.co", url.port or (443 if url.scheme == "https" else 80)
+    if f"{host}:{port}" not in _REACHABLE:
+        try:
+            socket.create_connection((host, port), timeout=timeout).close()
+            _REACHABLE[f"{host}:{port}"] = True
+        except OSError:
+            _REACHABLE[f"{host}:{port}"] = False
+    return _REACHABLE[f"{host}:{port}"]
+
+
+def fetch_hub_model(ref: ModelRef, local_only: bool | None = None) -> Path:
+    """The snapshot directory of a Hub model (config, tokenizer, safetensors) in the standard Hugging Face
+    cache: downloaded where missing, or, offline (HF_HUB_OFFLINE=1, or the Hub unreachable), looked up in
+    the cache alone; a model that is not there is one UserError naming it."""
+    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub.errors import (GatedRepoError, HfHubHTTPError, LocalEntryNotFoundError, OfflineModeIsEnabled,
+                                        RepositoryNotFoundError, RevisionNotFoundError)
+
+    offline = hub_offline()
+    if local_only is None:
+        local_only = offline or not hub_reachable()
+    name = ref.repo_id + (f"@{ref.revision}" if ref.revision else "")
+    try:
+        return Path(snapshot_download(ref.repo_id, revision=ref.revision, allow_patterns=HUB_PATTERNS,
+                                      local_files_only=local_only))
+    except (LocalEntryNotFoundError, OfflineModeIsEnabled, FileNotFoundError):
+        why = "HF_HUB_OFFLINE=1 is set" if offline else (
+            f"the Hub ({constants.ENDPOINT}) is unreachable" if local_only else "the Hub did not answer")
+        raise UserError(f"model {name} is not in the local Hugging Face cache ({constants.HF_HUB_CACHE}) and {why}; "
+                        f"download it where the Hub is reachable (hf download {ref.repo_id}) or pass a checkpoint "
+                        "directory") from None
+    except GatedRepoError:
+        raise UserError(f"model {name} is gated on the Hugging Face Hub: accept its terms and log in "
+                        "(hf auth login), or pass a checkpoint directory") from None
+    except RepositoryNotFoundError:
+        raise UserError(f"model {name}: no such repository on the Hugging Face Hub (or it is private: log in with "
+                        "hf auth login)") from None
+    except RevisionNotFoundError:
+        raise UserError(f"model {name}: the repository {ref.repo_id} has no revision {ref.revision!r}") from None
+    except (HfHubHTTPError, OSError, ValueError) as exc:
+        raise UserError(f"could not fetch model {name} from the Hugging Face Hub ({type(exc).__name__}: "
+                        f"{_first_line(exc)}); download it where the Hub is reachable and pass its directory") from None
+
+
+def check_model(name_or_path: str, revision: str | None = None) -> ModelRef:
+    """`--model` checked before any dataset or model is loaded: its form (parse_model_ref) and, offline,
+    that a Hub model is in the local cache (a cache look-up, no network)."""
+    ref = parse_model_ref(name_or_path, revision)
+    if ref.repo_id is not None and hub_offline():
+        fetch_hub_model(ref, local_only=True)
+    return ref
+
+
+def resolve_model_dir(name_or_path: str, revision: str | None = None) -> Path:
+    """Return a local checkpoint directory for a registry name, a path, or a Hub id ORG/NAME[@REVISION]
+    (fetched through huggingface_hub's cache; `revision` is a branch, tag or commit)."""
+    ref = parse_model_ref(name_or_path, revision)
+    if ref.path is not None:
+        return ref.path
+    spec = ref.spec
+    if spec is not None and spec.tiny:
         return build_tiny_model(spec.name, cache_home() / "models")
-    if spec.name == "melt-1.6b":
+    if spec is not None and spec.name == "melt-1.6b":
         env = os.environ.get("MELT_EVAL_MELT_1_6B")
         if env and Path(env).is_dir():
             return Path(env)
@@ -195,21 +364,13 @@ def resolve_model_dir(name_or_path: str) -> Path:
             "melt-1.6b is not released: train it with `melt-eval train --recipe paper-phase1 --from "
             "ouro-1.4b-thinking ...` (then paper-phase2) and pass the output directory, or set MELT_EVAL_MELT_1_6B"
         )
-    from huggingface_hub import snapshot_download
-
-    try:
-        return Path(snapshot_download(spec.hub_id, allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja"]))
-    except Exception as exc:  # offline, gated, or missing
-        raise UserError(
-            f"could not fetch {spec.hub_id} from the Hugging Face Hub ({type(exc).__name__}); "
-            "download it where the Hub is reachable and pass its directory instead"
-        ) from None
+    return fetch_hub_model(ref)
 
 
-def load_model(name_or_path: str | Path, dtype=torch.float32, device="cpu"):
+def load_model(name_or_path: str | Path, dtype=torch.float32, device="cpu", revision: str | None = None):
     """(model, tokenizer) for a registry name or a checkpoint directory; the checkpoint is checked first
     (config.json, every weights file, config and weights agreeing), so a broken one is a UserError."""
-    model_dir = resolve_model_dir(str(name_or_path))
+    model_dir = resolve_model_dir(str(name_or_path), revision)
     if checkpoint_model_type(model_dir) in LOOPED_TYPES:
         model = load_looped(model_dir, dtype=dtype, device=device)
     else:
