@@ -20,13 +20,18 @@ import shlex
 import shutil
 import sys
 from importlib import metadata
-from typing import Optional
+from typing import Literal, Optional
 
 import typer
 
+from melt_eval.cache_layout import KV_SHARING
 from melt_eval.errors import UserError
+from melt_eval.units import byte_size
 
 CPU_DEFAULT_KV_BYTES = 1 << 30  # as the in-process backend: a fixed budget, the host's memory is shared
+# Options typed with these take one of their values (click's error names them, exit 2).
+KvSharing = Literal[tuple(v for v in KV_SHARING if v is not None)]  # first | last
+Dtype = Literal["auto", "bfloat16", "float16", "float32"]
 
 
 def vllm_entry() -> list[str]:
@@ -48,7 +53,7 @@ def serve_command(model: str, *, host: str | None = None, port: int = 8000, serv
     """The vLLM server command line for `model` (registry name or checkpoint directory)."""
     from melt_eval.cache_layout import LOOPED, layout_of
     from melt_eval.jsonio import read_json
-    from melt_eval.modeling.loading import checkpoint_model_type, resolve_model_dir
+    from melt_eval.modeling.loading import checkpoint_model_type, parse_model_ref, resolve_model_dir
     from melt_eval.registry import MODELS
 
     model_dir = resolve_model_dir(model)
@@ -73,7 +78,8 @@ def serve_command(model: str, *, host: str | None = None, port: int = 8000, serv
         overrides["total_ut_steps"] = loops
     if layout is not None:
         overrides.update(layout.vllm_overrides(kv_sharing, prefill_chunk))
-    name = served_model_name or (model if model in MODELS else model_dir.name)
+    # a registry name or Hub id is served as given ("org/name"); a directory under its own name
+    name = served_model_name or (model if model in MODELS or parse_model_ref(model).repo_id else model_dir.name)
     cmd = vllm_entry() + [str(model_dir), "--served-model-name", name, "--port", str(port)]
     if host:
         cmd += ["--host", host]
@@ -106,16 +112,26 @@ def register(app: typer.Typer) -> None:
         host: Optional[str] = typer.Option(None, help="Address to listen on (vLLM's default: all)."),
         served_model_name: Optional[str] = typer.Option(None, "--served-model-name",
                                                         help="Default: the registry name or the directory's name."),
-        loops: Optional[int] = typer.Option(None, help="Serve with T loops instead of the checkpoint's."),
-        kv_sharing: Optional[str] = typer.Option(None, "--kv-sharing", help="first | last (Ouro, untrained baselines)."),
+        loops: Optional[int] = typer.Option(None, help="Serve with T loops (default: the checkpoint's)."),
+        kv_sharing: Optional[KvSharing] = typer.Option(
+            None, "--kv-sharing", help="Ouro, untrained baselines: share one KV cache across loops, keeping the first "
+                                       "or last loop's entries (default: none, a cache per loop)."),
         prefill_chunk: Optional[int] = typer.Option(None, "--prefill-chunk", help="MELT's prompt chunk C (default 1, exact)."),
-        dtype: Optional[str] = typer.Option(None, help="vLLM --dtype (auto, bfloat16, float16, float32)."),
-        max_model_len: Optional[int] = typer.Option(None, "--max-model-len"),
-        gpu_memory_utilization: Optional[float] = typer.Option(None, "--gpu-memory-utilization"),
-        kv_cache_bytes: Optional[int] = typer.Option(None, "--kv-cache-bytes", help="Fixed KV cache budget (bytes)."),
-        tensor_parallel_size: Optional[int] = typer.Option(None, "--tensor-parallel-size"),
-        data_parallel_size: Optional[int] = typer.Option(None, "--data-parallel-size"),
-        dry_run: bool = typer.Option(False, "--dry-run", help="Print the command, start nothing."),
+        dtype: Optional[Dtype] = typer.Option(None, "--dtype", help="vLLM --dtype (default: vLLM's, auto)."),
+        max_model_len: Optional[int] = typer.Option(None, "--max-model-len",
+                                                    help="vLLM --max-model-len: prompt + generation limit (default: the model's)."),
+        gpu_memory_utilization: Optional[float] = typer.Option(
+            None, "--gpu-memory-utilization", help="vLLM --gpu-memory-utilization: GPU memory share (default: vLLM's, 0.9; "
+                                                   "not with --kv-cache-bytes)."),
+        kv_cache_bytes: Optional[int] = typer.Option(
+            None, "--kv-cache-bytes", parser=byte_size("--kv-cache-bytes"), metavar="SIZE",
+            help="Fixed KV cache budget, vLLM --kv-cache-memory-bytes (bytes, or 512MiB, 40GB...; default: vLLM's from "
+                 "--gpu-memory-utilization on a GPU, 1GiB on the CPU)."),
+        tensor_parallel_size: Optional[int] = typer.Option(None, "--tensor-parallel-size",
+                                                           help="vLLM --tensor-parallel-size: GPUs per replica (default 1)."),
+        data_parallel_size: Optional[int] = typer.Option(None, "--data-parallel-size",
+                                                         help="vLLM --data-parallel-size: replicas (default 1)."),
+        dry_run: bool = typer.Option(False, "--dry-run", help="Print the command, start nothing (default: off)."),
     ) -> None:
         """Serve a LoopLM/Ouro or MELT checkpoint (or any model) with vLLM's OpenAI-compatible server.
 

@@ -4,11 +4,30 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Optional
+from typing import Literal, Optional
 
 import typer
 from rich.console import Console
 from rich.table import Table
+
+from melt_eval.cache_layout import KV_SHARING
+from melt_eval.units import byte_size
+
+# The fixed sets options choose from, spelled as the library spells them (tests/test_cli_flags.py checks them
+# against melt_eval.generation.backends.BACKENDS, which this module does not import: it loads torch).
+# Options typed with these Literals take one of their values (click's error names them, exit 2).
+Backend = Literal["native", "vllm", "endpoint"]
+KvSharing = Literal[tuple(v for v in KV_SHARING if v is not None)]  # first | last
+Dtype = Literal["auto", "bfloat16", "float16", "float32"]
+TableOrJson = Literal["table", "json"]
+# Width of a console writing into a pipe or file: wide enough that no cell is cut ("tiny-…").
+PIPE_WIDTH = 10_000
+
+
+def console() -> Console:
+    """The terminal's console; into a pipe or a file one so wide that tables are never squeezed."""
+    terminal = Console()
+    return terminal if terminal.is_terminal else Console(width=PIPE_WIDTH)
 
 
 def _print_results(results: list[dict]) -> None:
@@ -20,53 +39,98 @@ def _print_results(results: list[dict]) -> None:
             stderr = "" if m.get("stderr") is None else f"{100 * m['stderr']:.2f}"
             table.add_row(r["model"], r["task"], name, f"{100 * m['value']:.2f}", stderr, str(r["num_problems"]),
                           str(r["settings"]["samples"]), str(r["generated_tokens"]), f"{r['wall_time_s']:.1f}")
-    Console().print(table)
+    console().print(table)
+
+
+MODEL, GENERATION, EVALUATION, OUTPUT, MEMORY, SECURITY = (
+    "Model", "Generation", "Evaluation", "Output", "Memory", "Security (HumanEval sandbox)")
 
 
 def register(app: typer.Typer) -> None:
     @app.command()
     def run(
         tasks: str = typer.Argument(..., help="Task names or groups, comma-separated (paper, math, ablation)."),
-        model: str = typer.Option(..., "--model", help="Registry name (melt-eval models) or checkpoint directory."),
-        backend: str = typer.Option("native", help="native | vllm | endpoint (an OpenAI-compatible server: --base-url)"),
-        samples: Optional[int] = typer.Option(None, help="Samples per problem (default: the paper's, per task)."),
-        temperature: float = typer.Option(1.0, help="Sampling temperature (0 = greedy)."),
-        top_p: float = typer.Option(0.7, "--top-p"),
-        max_new_tokens: Optional[int] = typer.Option(None, "--max-new-tokens", help="Default: the paper's, per task."),
-        max_problems: Optional[int] = typer.Option(None, "--max-problems", help="First N problems of each task."),
-        loops: Optional[int] = typer.Option(None, help="Override the number of loops T at inference."),
-        kv_sharing: Optional[str] = typer.Option(None, "--kv-sharing", help="first | last (Ouro, untrained baselines)."),
-        share_prompt: bool = typer.Option(False, "--share-prompt", help="KV sharing also over the prompt (no prefill)."),
-        prefill_chunk: int = typer.Option(1, "--prefill-chunk", help="Prompt chunk size C (1 = exact MELT)."),
-        data_dir: Optional[Path] = typer.Option(None, "--data-dir", help="DIR/<task>.jsonl|.parquet instead of the Hub."),
-        output: Path = typer.Option(Path("results"), help="Results root: OUTPUT/<name>/<task>/."),
-        name: Optional[str] = typer.Option(None, help="Name for the results (default: the registry name or the checkpoint's directory name)."),
-        seed: int = typer.Option(0),
-        force: bool = typer.Option(False, help="Recompute finished tasks and discard partial ones."),
-        progress: bool = typer.Option(True, "--progress/--no-progress"),
-        unsafe_local_exec: bool = typer.Option(
-            False, "--unsafe-local-exec",
-            help="HumanEval: run model-written code even where the kernel refuses a sandbox layer."),
-        max_cache_bytes: Optional[str] = typer.Option(
-            None, "--max-cache-bytes",
+        model: str = typer.Option(..., "--model", help="Registry name (melt-eval models) or checkpoint directory.",
+                                  rich_help_panel=MODEL),
+        backend: Backend = typer.Option(
+            "native", "--backend", rich_help_panel=MODEL,
+            help="native (in-process engine) | vllm | endpoint (an OpenAI-compatible server: --base-url)."),
+        base_url: Optional[str] = typer.Option(
+            None, "--base-url", rich_help_panel=MODEL,
+            help="--backend endpoint: URL[,URL...], replicas of one served model (no default: required there)."),
+        api_key: Optional[str] = typer.Option(
+            None, "--api-key", rich_help_panel=MODEL, show_default=False,
+            help="--backend endpoint: API key sent as 'Authorization: Bearer KEY' (default: the OPENAI_API_KEY "
+                 "environment variable; none when that is unset)."),
+        max_concurrency: int = typer.Option(64, "--max-concurrency", rich_help_panel=MODEL,
+                                            help="--backend endpoint: requests in flight (one per problem)."),
+        dtype: Optional[Dtype] = typer.Option(None, "--dtype",
+                                            rich_help_panel=MODEL, help="--backend vllm: weights' dtype (default auto)."),
+        tensor_parallel_size: Optional[int] = typer.Option(
+            None, "--tensor-parallel-size", rich_help_panel=MODEL, help="--backend vllm: GPUs per model (default 1)."),
+        loops: Optional[int] = typer.Option(None, "--loops", rich_help_panel=MODEL,
+                                            help="Override the number of loops T at inference (default: the checkpoint's)."),
+        kv_sharing: Optional[KvSharing] = typer.Option(
+            None, "--kv-sharing", rich_help_panel=MODEL,
+            help="Ouro, untrained baselines: share one KV cache across loops, keeping the first or last loop's "
+                 "entries (default: none, a cache per loop)."),
+        share_prompt: bool = typer.Option(False, "--share-prompt", rich_help_panel=MODEL,
+                                          help="KV sharing also over the prompt (no prefill; default: off)."),
+        prefill_chunk: int = typer.Option(1, "--prefill-chunk", rich_help_panel=MODEL,
+                                          help="Prompt chunk size C (1 = exact MELT)."),
+        samples: Optional[int] = typer.Option(None, "--samples", rich_help_panel=GENERATION,
+                                              help="Samples per problem (default: the paper's, per task)."),
+        temperature: float = typer.Option(1.0, "--temperature", rich_help_panel=GENERATION,
+                                          help="Sampling temperature (0 = greedy)."),
+        top_p: float = typer.Option(0.7, "--top-p", rich_help_panel=GENERATION, help="Nucleus sampling: top-p."),
+        max_new_tokens: Optional[int] = typer.Option(None, "--max-new-tokens", rich_help_panel=GENERATION,
+                                                     help="Tokens generated per sample (default: the paper's, per task)."),
+        seed: int = typer.Option(0, "--seed", rich_help_panel=GENERATION,
+                                 help="Sampling seed (each problem's seed derives from it)."),
+        max_model_len: Optional[int] = typer.Option(
+            None, "--max-model-len", rich_help_panel=GENERATION,
+            help="--backend vllm: prompt + generation limit (default: the model's)."),
+        allow_beyond_max_positions: bool = typer.Option(
+            False, "--allow-beyond-max-positions", rich_help_panel=GENERATION,
+            help="Let prompt + max new tokens exceed the model's max_position_embeddings (extrapolation; default: refused)."),
+        max_problems: Optional[int] = typer.Option(
+            None, "--max-problems", "--limit", "--max-samples", rich_help_panel=EVALUATION,
+            help="First N problems of each task (default: all). --limit and --max-samples are the same option."),
+        data_dir: Optional[Path] = typer.Option(
+            None, "--data-dir", rich_help_panel=EVALUATION,
+            help="Read DIR/<task>.jsonl|.parquet instead of the Hub (default: the Hub, or built in)."),
+        force: bool = typer.Option(False, "--force", rich_help_panel=EVALUATION,
+                                   help="Recompute finished tasks and discard partial ones (default: off, resume)."),
+        output: Path = typer.Option(Path("results"), "--output", "--output-dir", rich_help_panel=OUTPUT,
+                                    help="Results root: OUTPUT/<name>/<task>/. --output-dir is the same option."),
+        name: Optional[str] = typer.Option(
+            None, "--name", rich_help_panel=OUTPUT,
+            help="Name for the results (default: the registry name or the checkpoint's directory name)."),
+        progress: bool = typer.Option(True, "--progress/--no-progress", rich_help_panel=OUTPUT,
+                                      help="Show progress bars (on stderr)."),
+        max_cache_bytes: Optional[int] = typer.Option(
+            None, "--max-cache-bytes", parser=byte_size("--max-cache-bytes"), metavar="SIZE", rich_help_panel=MEMORY,
             help="KV-cache budget (bytes, or 512MiB, 40GB...). Native engine: samples that do not fit together run "
                  "in waves, with the same results (default 80% of free GPU memory, 50% of free host memory); "
                  "vLLM: the KV cache it allocates."),
-        allow_beyond_max_positions: bool = typer.Option(
-            False, "--allow-beyond-max-positions",
-            help="Let prompt + max new tokens exceed the model's max_position_embeddings (extrapolation)."),
-        base_url: Optional[str] = typer.Option(None, "--base-url", help="Endpoint(s), URL[,URL...]: replicas of one served model."),
-        max_concurrency: int = typer.Option(64, "--max-concurrency", help="Endpoint requests in flight (one per problem)."),
-        dtype: Optional[str] = typer.Option(None, help="vLLM: auto | bfloat16 | float16 | float32."),
-        max_model_len: Optional[int] = typer.Option(None, "--max-model-len", help="vLLM: prompt + generation limit."),
-        gpu_memory_utilization: Optional[float] = typer.Option(None, "--gpu-memory-utilization", help="vLLM: GPU memory share."),
-        kv_cache_bytes: Optional[int] = typer.Option(None, "--kv-cache-bytes", help="vLLM: fixed KV cache budget, bytes."),
-        tensor_parallel_size: Optional[int] = typer.Option(None, "--tensor-parallel-size", help="vLLM: GPUs per model."),
+        kv_cache_bytes: Optional[int] = typer.Option(
+            None, "--kv-cache-bytes", parser=byte_size("--kv-cache-bytes"), metavar="SIZE", rich_help_panel=MEMORY,
+            help="--backend vllm: fixed KV cache budget (bytes, or 512MiB, 40GB...; default --max-cache-bytes, "
+                 "else vLLM's own from --gpu-memory-utilization)."),
+        gpu_memory_utilization: Optional[float] = typer.Option(
+            None, "--gpu-memory-utilization", rich_help_panel=MEMORY,
+            help="--backend vllm: GPU memory share (default: vLLM's, 0.9)."),
+        unsafe_local_exec: bool = typer.Option(
+            False, "--unsafe-local-exec", rich_help_panel=SECURITY,
+            help="HumanEval: run model-written code even where the kernel refuses a sandbox layer (default: off, refuse to run)."),
     ) -> None:
         """Evaluate a model with LightEval and the paper's protocol; resumable."""
+        from melt_eval.errors import UserError
         from melt_eval.evaluation import BackendSettings, RunPaths, run_tasks
         from melt_eval.generation.options import InferenceOptions, Sampling
-        from melt_eval.units import parse_bytes
+
+        if api_key is not None and backend != "endpoint":
+            raise UserError("--api-key goes with --backend endpoint; drop it here")
 
         options = InferenceOptions(
             loops=loops, kv_sharing=kv_sharing, share_prompt=share_prompt, prefill_chunk=prefill_chunk,
@@ -75,7 +139,7 @@ def register(app: typer.Typer) -> None:
         )
         paths = RunPaths(output=output, name=name, data_dir=data_dir)
         settings = BackendSettings(
-            kind=backend, max_cache_bytes=None if max_cache_bytes is None else parse_bytes(max_cache_bytes),
+            kind=backend, max_cache_bytes=max_cache_bytes, api_key=api_key,
             allow_beyond_max_positions=allow_beyond_max_positions, base_url=base_url, max_concurrency=max_concurrency,
             engine=dict(dtype=dtype, max_model_len=max_model_len, gpu_memory_utilization=gpu_memory_utilization,
                         kv_cache_bytes=kv_cache_bytes, tensor_parallel_size=tensor_parallel_size),
@@ -93,19 +157,20 @@ def register(app: typer.Typer) -> None:
     def score(
         task: str = typer.Argument(..., help="One task name."),
         completions: Path = typer.Option(..., "--completions", help='JSONL: {"index"|"id": ..., "completions": [...]}'),
-        data_dir: Optional[Path] = typer.Option(None, "--data-dir"),
-        fmt: str = typer.Option("table", "--format", help="table | json"),
-        details: Optional[Path] = typer.Option(None, "--details", help="Also write per-problem details here (JSONL)."),
+        data_dir: Optional[Path] = typer.Option(
+            None, "--data-dir", help="Read DIR/<task>.jsonl|.parquet instead of the Hub (default: the Hub, or built in)."),
+        fmt: TableOrJson = typer.Option("table", "--format",
+                                        help="table | json (one object: metrics, their stderr, num_problems)."),
+        details: Optional[Path] = typer.Option(
+            None, "--details", help="Also write per-problem details here (JSONL; default: not written)."),
         unsafe_local_exec: bool = typer.Option(
             False, "--unsafe-local-exec",
-            help="HumanEval: run model-written code even where the kernel refuses a sandbox layer."),
+            help="HumanEval: run model-written code even where the kernel refuses a sandbox layer (default: off, refuse to run)."),
     ) -> None:
         """Score saved or external completions with the task's metric."""
         from melt_eval.errors import UserError
         from melt_eval.evaluation import score_completions
 
-        if fmt not in ("table", "json"):
-            raise UserError("--format must be table or json")
         if details and (details.is_dir() or (details.parent.exists() and not details.parent.is_dir())):
             raise UserError(f"--details {details} is a directory or inside a file; pass a file path to write")
         result = score_completions(task, completions, data_dir=data_dir, unsafe_local_exec=unsafe_local_exec)
@@ -124,10 +189,10 @@ def register(app: typer.Typer) -> None:
         table.add_column("stderr", justify="right")
         for name, m in result["metrics"].items():
             table.add_row(name, f"{100 * m['value']:.2f}", "" if m["stderr"] is None else f"{100 * m['stderr']:.2f}")
-        Console().print(table)
+        console().print(table)
 
     @app.command("tasks")
-    def tasks_cmd(fmt: str = typer.Option("table", "--format", help="table | json")) -> None:
+    def tasks_cmd(fmt: TableOrJson = typer.Option("table", "--format", help="table | json (tasks and groups).")) -> None:
         """The benchmarks: problems, metrics, samples per problem, source."""
         from melt_eval.protocol.tasks import BENCHMARKS, GROUPS
 
@@ -145,5 +210,6 @@ def register(app: typer.Typer) -> None:
         for r in rows:
             table.add_row(r["task"], str(r["problems"] or "-"), ", ".join(r["metrics"]), str(r["samples"]),
                           str(r["max_new_tokens"]), r["source"])
-        Console().print(table)
-        Console().print("groups: " + "; ".join(f"{g} = {', '.join(ts)}" for g, ts in GROUPS.items()))
+        out = console()
+        out.print(table)
+        out.print("groups: " + "; ".join(f"{g} = {', '.join(ts)}" for g, ts in GROUPS.items()))

@@ -3,36 +3,58 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
+from typing import Literal, Optional
 
 import typer
+from rich.console import Console
+
+# Options typed with these take one of their values (click's error names them, exit 2); tests/test_cli_flags.py
+# checks them against melt_eval.experiments.ablations (not imported here: it loads the training code).
+Preset = Literal["paper", "tiny"]
+Backend = Literal["native", "vllm"]
+# Width of a console writing into a pipe or a file: wide enough that no cell is cut.
+PIPE_WIDTH = 10_000
+
+
+def console(width: int | None = None) -> Console:
+    """The terminal's console (or one `width` wide); into a pipe or a file one so wide nothing is cut."""
+    terminal = Console(width=width)
+    return terminal if terminal.is_terminal else Console(width=PIPE_WIDTH)
 
 
 def register(app: typer.Typer) -> None:
     @app.command()
     def ablate(
         ablation: str = typer.Argument(..., help="gates | components | kv-sharing"),
-        preset: str = typer.Option("paper", help="paper (Ouro-1.4B, paper recipes) | tiny (CPU-sized recipes)"),
-        base: Optional[str] = typer.Option(None, help="Base LoopLM (default: the preset's)."),
-        tasks: Optional[str] = typer.Option(None, help="Tasks to evaluate (default: the paper's ablation set)."),
-        backend: str = typer.Option("native", help="native | vllm"),
-        output: Path = typer.Option(Path("results"), help="Results root (ablations/<ablation>/<variant>/)."),
-        runs: Path = typer.Option(Path("runs/ablations"), help="Where training runs go."),
-        samples: Optional[int] = typer.Option(None, help="Samples per problem (default: the paper's)."),
-        max_problems: Optional[int] = typer.Option(None, "--max-problems"),
-        max_new_tokens: Optional[int] = typer.Option(None, "--max-new-tokens"),
-        max_steps: Optional[int] = typer.Option(None, "--max-steps", help="Cap every training run's steps."),
-        data_dir: Optional[Path] = typer.Option(None, "--data-dir"),
-        seed: int = typer.Option(0),
+        preset: Preset = typer.Option("paper", "--preset",
+                                      help="paper (Ouro-1.4B, paper recipes) | tiny (CPU-sized recipes)."),
+        base: Optional[str] = typer.Option(None, "--base", help="Base LoopLM (default: the preset's)."),
+        tasks: Optional[str] = typer.Option(None, "--tasks", help="Tasks to evaluate (default: the preset's: the paper's "
+                                            "ablation set, or synthetic for tiny)."),
+        backend: Backend = typer.Option("native", "--backend", help="native | vllm: what the evaluations generate with."),
+        output: Path = typer.Option(Path("results"), "--output", "--output-dir",
+                                    help="Results root (ablations/<ablation>/<variant>/). --output-dir is the same option."),
+        runs: Path = typer.Option(Path("runs/ablations"), "--runs", help="Where training runs go."),
+        samples: Optional[int] = typer.Option(None, "--samples", help="Samples per problem (default: the paper's)."),
+        max_problems: Optional[int] = typer.Option(
+            None, "--max-problems", "--limit", "--max-samples",
+            help="First N problems of each task (default: all). --limit and --max-samples are the same option."),
+        max_new_tokens: Optional[int] = typer.Option(None, "--max-new-tokens",
+                                                     help="Tokens generated per sample (default: the paper's, per task)."),
+        max_steps: Optional[int] = typer.Option(None, "--max-steps",
+                                                help="Cap every training run's steps (default: the recipes')."),
+        data_dir: Optional[Path] = typer.Option(
+            None, "--data-dir", help="Read DIR/<task>.jsonl|.parquet instead of the Hub (default: the Hub, or built in)."),
+        seed: int = typer.Option(0, "--seed", help="Evaluation sampling seed."),
         jobs: int = typer.Option(1, "--jobs", min=1, help="Training runs side by side, each its own process (CPU: one "
                                  "torch thread each, and CPU evaluations likewise, each as soon as its model is trained; "
                                  "GPU: each takes the visible devices, so keep 1)."),
-        dry_run: bool = typer.Option(False, "--dry-run", help="Print every run with its command; run nothing."),
-        progress: bool = typer.Option(True, "--progress/--no-progress"),
+        dry_run: bool = typer.Option(False, "--dry-run",
+                                     help="Print every run with its command; run nothing (default: off)."),
+        progress: bool = typer.Option(True, "--progress/--no-progress", help="Show progress bars (on stderr)."),
     ) -> None:
         """Run one of the paper's ablations: training (where it has any) and evaluation, each variant's evaluation
         once its model is trained. Resumable."""
-        from rich.console import Console
         from rich.table import Table
 
         from melt_eval.experiments import ablations
@@ -47,7 +69,7 @@ def register(app: typer.Typer) -> None:
                 table.add_column(col, overflow="fold")
             for s in ablations.describe(variants, runs, output, tasks, backend):
                 table.add_row(s["variant"], s["step"], s["status"], s["command"], s["paper_gpu_hours"])
-            Console(width=200).print(table)
+            console(200).print(table)
             return
         eval_kwargs = {k: v for k, v in dict(samples=samples, max_problems=max_problems, max_new_tokens=max_new_tokens,
                                              data_dir=data_dir, seed=seed).items() if v is not None}
@@ -59,11 +81,12 @@ def register(app: typer.Typer) -> None:
         from melt_eval.report.results import load_results
         from melt_eval.report.tables import ablation_table
 
-        Console().print(Markdown(render_markdown(ablation_table(load_results(output), ablation))))
+        console().print(Markdown(render_markdown(ablation_table(load_results(output), ablation))))
 
     @app.command()
     def demo(
-        quick: bool = typer.Option(False, "--quick", help="Smaller everything, for CI (its numbers mean nothing)."),
+        quick: bool = typer.Option(False, "--quick",
+                                   help="Smaller everything, for CI (its numbers mean nothing; default: off)."),
         output: Optional[Path] = typer.Option(None, help="Where runs, results and the report go (default demo/ or "
                                               "demo-quick/, with -seedN for another seed)."),
         seed: int = typer.Option(0, "--seed", min=0, help="Seeds every training run and the sampling; the claims "
@@ -72,8 +95,8 @@ def register(app: typer.Typer) -> None:
                                            "one torch thread each (default: the CPU cores, at most 4)."),
         compile: bool = typer.Option(False, "--compile", help="Train MELT with one torch.compile'd function per "
                                      "token (recipe compile: true): faster steps once compiled, but each run compiles "
-                                     "first; floats differ from eager in the last bits."),
-        progress: bool = typer.Option(True, "--progress/--no-progress"),
+                                     "first; floats differ from eager in the last bits. Default: off (eager)."),
+        progress: bool = typer.Option(True, "--progress/--no-progress", help="Show progress bars (on stderr)."),
     ) -> None:
         """A miniature reproduction on the CPU: teacher, MELT, every ablation, every table and figure, and
         the paper's claims checked against the numbers."""

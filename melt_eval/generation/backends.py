@@ -33,7 +33,8 @@ ENGINE_OPTIONS = ("dtype", "max_model_len", "gpu_memory_utilization", "kv_cache_
 class BackendSettings:
     """Which backend generates and its own settings (they change memory and speed, not the samples,
     except vLLM's dtype): `max_cache_bytes`, `allow_beyond_max_positions` (native; the first is also
-    vLLM's KV budget), `engine` (vLLM, keys of ENGINE_OPTIONS), `base_url`/`max_concurrency` (endpoint)."""
+    vLLM's KV budget), `engine` (vLLM, keys of ENGINE_OPTIONS), `base_url`/`max_concurrency`/`api_key` (endpoint;
+    no key: OPENAI_API_KEY's)."""
 
     kind: str = "native"
     max_cache_bytes: int | None = None
@@ -41,6 +42,7 @@ class BackendSettings:
     engine: dict = field(default_factory=dict)
     base_url: str | list[str] | None = None
     max_concurrency: int = 64
+    api_key: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if self.kind not in BACKENDS:
@@ -173,11 +175,11 @@ class EndpointBackend:
 
     peak_cache_bytes = None  # the server's memory is not ours to read
 
-    def __init__(self, base_urls, tokenizer, *, max_concurrency: int = 64) -> None:
+    def __init__(self, base_urls, tokenizer, *, max_concurrency: int = 64, api_key: str | None = None) -> None:
         from melt_eval.generation.endpoint import Endpoint
 
         self.tokenizer = tokenizer
-        self.endpoint = Endpoint(base_urls, max_concurrency=max_concurrency)
+        self.endpoint = Endpoint(base_urls, max_concurrency=max_concurrency, api_key=api_key)
         self.server: dict | None = None
 
     def start(self) -> None:
@@ -316,7 +318,8 @@ def make_backend(model: str, options: InferenceOptions, settings: BackendSetting
     fingerprint = config_hash(config)
 
     if kind == "endpoint":
-        backend = EndpointBackend(settings.base_url, tokenizer, max_concurrency=settings.max_concurrency)
+        backend = EndpointBackend(settings.base_url, tokenizer, max_concurrency=settings.max_concurrency,
+                                  api_key=settings.api_key)
     elif kind == "vllm":
         if settings.max_cache_bytes is not None:
             # --max-cache-bytes is vLLM's KV budget unless --kv-cache-bytes says otherwise

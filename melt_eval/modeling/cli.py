@@ -17,13 +17,17 @@ class Format(str, Enum):
     json = "json"
 
 
-def models(fmt: Format = typer.Option(Format.table, "--format", help="table or json")) -> None:
+# Width of a console writing into a pipe or a file: wide enough that no cell is cut.
+PIPE_WIDTH = 10_000
+
+
+def models(fmt: Format = typer.Option(Format.table, "--format", help="table | json.")) -> None:
     """List the known models: source and architecture facts."""
     rows = [spec.as_dict() for spec in MODELS.values()]
     if fmt is Format.json:
         typer.echo(json.dumps(rows, indent=2))
         return
-    console = Console(width=None if Console().is_terminal else 160)
+    console = Console(width=None if Console().is_terminal else PIPE_WIDTH)
     table = Table(title="melt-eval models")
     for col in ("name", "family", "source", "layers", "heads", "kv heads", "head dim", "params", "loops", "KV entries/layer", "KV B/token"):
         table.add_column(col, justify="right" if col not in ("name", "family", "source") else "left")

@@ -4,13 +4,27 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Literal, Optional
 
 import typer
 
 from melt_eval.errors import UserError
 from melt_eval.report.render import print_tables, render_latex, render_markdown
 from melt_eval.report.write import write_report
+
+# Options typed with these take one of their values (click's error names them, exit 2).
+ClaimsFormat = Literal["table", "markdown", "latex", "json"]
+MemoryFormat = Literal["table", "json", "latex"]
+Measure = Literal["analytic", "vllm"]
+# Width of the tables written into a pipe or a file: wide enough that no cell is cut.
+PIPE_WIDTH = 10_000
+
+
+def table_width() -> int | None:
+    """print_tables' width: the terminal's, or into a pipe or a file PIPE_WIDTH."""
+    from rich.console import Console
+
+    return None if Console().is_terminal else PIPE_WIDTH
 
 
 def register(app: typer.Typer, *, load_measure_kv: Callable[[], Callable] | None = None) -> None:
@@ -19,10 +33,12 @@ def register(app: typer.Typer, *, load_measure_kv: Callable[[], Callable] | None
 
     @app.command()
     def report(
-        latex: bool = typer.Option(False, "--latex", help="Write report.tex (booktabs, compiles standalone)."),
-        markdown: bool = typer.Option(False, "--markdown", help="Write report.md."),
+        latex: bool = typer.Option(False, "--latex", help="Write report.tex (booktabs, compiles standalone; "
+                                   "default: with neither --latex nor --markdown, both are written)."),
+        markdown: bool = typer.Option(False, "--markdown", help="Write report.md (default: see --latex)."),
         results: Optional[Path] = typer.Option(None, "--results", help="Results root written by run/ablate (default results/)."),
-        paper: bool = typer.Option(False, "--paper", help="Print the paper's figure and the difference beside each value."),
+        paper: bool = typer.Option(False, "--paper",
+                                   help="Print the paper's figure and the difference beside each value (default: off)."),
         output: Optional[Path] = typer.Option(None, "--output", help="Where report.md/.tex go (default RESULTS/report)."),
         plots: bool = typer.Option(True, "--plots/--no-plots", help="Write the memory-vs-accuracy and loops figures."),
         plots_dir: Optional[Path] = typer.Option(None, "--plots-dir",
@@ -52,15 +68,13 @@ def register(app: typer.Typer, *, load_measure_kv: Callable[[], Callable] | None
     @app.command()
     def claims(
         runs: list[Path] = typer.Argument(..., help="Demo output directories (or results roots), e.g. demo-seed0 demo-seed1."),
-        fmt: str = typer.Option("table", "--format", help="table | markdown | latex | json"),
+        fmt: ClaimsFormat = typer.Option("table", "--format", help="table | markdown | latex | json."),
     ) -> None:
         """The paper's claims in each run, side by side, how many runs each holds in (the demo at several seeds), and
         how many of its verdicts rest on a gap under 2 standard errors (close calls, which a rerun could turn)."""
         from melt_eval.report.claims import across_json, claims_of_runs, results_root
         from melt_eval.report.tables import claims_across_table
 
-        if fmt not in ("table", "markdown", "latex", "json"):
-            raise UserError(f"--format must be table, markdown, latex or json, got {fmt!r}")
         for d in runs:
             if not d.is_dir():
                 raise UserError(f"{d} is not a directory; pass demo output directories (melt-eval demo --output DIR) "
@@ -77,24 +91,19 @@ def register(app: typer.Typer, *, load_measure_kv: Callable[[], Callable] | None
         elif fmt == "latex":
             typer.echo(render_latex(table), nl=False)
         else:
-            from rich.console import Console
-
-            print_tables([table], width=None if Console().is_terminal else 220)
+            print_tables([table], width=table_width())
 
     @app.command()
     def memory(
         models: Optional[str] = typer.Option(None, "--models", help="Comma-separated registry names (default: the paper's)."),
         context: str = typer.Option("32000,32768", "--context", help="Token counts, comma-separated."),
-        fmt: str = typer.Option("table", "--format", help="table | json | latex"),
-        measure: str = typer.Option("analytic", "--measure", help="analytic | vllm (read the KV size vLLM allocates)."),
+        fmt: MemoryFormat = typer.Option("table", "--format", help="table | json | latex."),
+        measure: Measure = typer.Option("analytic", "--measure",
+                                        help="analytic (from the config) | vllm (read the KV size vLLM allocates)."),
     ) -> None:
         """KV-cache bytes per token, model bytes, KV and total memory per context; the paper's figures beside."""
         from melt_eval.report import memory as mem
 
-        if fmt not in ("table", "json", "latex"):
-            raise UserError(f"--format must be table, json or latex, got {fmt!r}")
-        if measure not in ("analytic", "vllm"):
-            raise UserError(f"--measure must be analytic or vllm, got {measure!r}")
         try:
             contexts = tuple(int(c) for c in context.split(",") if c.strip())
         except ValueError:
@@ -110,9 +119,7 @@ def register(app: typer.Typer, *, load_measure_kv: Callable[[], Callable] | None
         elif fmt == "latex":
             typer.echo(render_latex(mem.as_table(rows, contexts)))
         else:
-            from rich.console import Console
-
-            print_tables([mem.as_table(rows, contexts)], width=None if Console().is_terminal else 220)
+            print_tables([mem.as_table(rows, contexts)], width=table_width())
 
 
 def measure_with_vllm(models: list[str], load_measure_kv: Callable[[], Callable] | None) -> dict[str, dict]:
