@@ -90,3 +90,15 @@ def test_no_other_module_decides_the_cache_layout():
                 if decided.search(line.split("#")[0]):
                     found.append(f"{path.relative_to(REPO)}:{number}: {line.strip()}")
     assert not found, "\n".join(found)
+
+
+def test_vllm_runs_the_untrained_sharing_that_covers_the_prompt():
+    """`run --backend vllm --kv-sharing last --share-prompt` passes the backend checks (vLLM's only form of the
+    baselines); without --share-prompt the layout says to add it, before any engine starts."""
+    from melt_eval.generation.backends import BackendSettings, check_backend_settings
+    from melt_eval.generation.options import InferenceOptions
+
+    check_backend_settings(InferenceOptions(kv_sharing="last", share_prompt=True), BackendSettings(kind="vllm"))
+    layout = cache_layout("ouro", **PAPER, kv_sharing="last")
+    with pytest.raises(LayoutError, match=r"\(--share-prompt\)"):
+        layout.vllm_caches()

@@ -44,6 +44,16 @@ def test_run_takes_limit_and_output_dir(tmp_path, capsys):
     assert "tiny-random-melt" in stdout and "…" not in stdout  # the table into a pipe: nothing cut
 
 
+def test_run_passes_log_samples_and_revision_through(tmp_path, capsys):
+    out = tmp_path / "out"
+    code = _main(["run", "synthetic", "--model", "tiny-random-melt", "--limit", "1", "--samples", "1",
+                  "--max-new-tokens", "4", "--output", out, "--no-progress", "--log-samples"])
+    assert code == 0 and len(list(out.glob("*/synthetic/samples_synthetic_*.jsonl"))) == 1
+    capsys.readouterr()
+    code = _main(["run", "synthetic", "--model", "tiny-random-melt", "--revision", "v1", "--output", out])
+    assert code == 2 and "revision" in capsys.readouterr().err  # a registry model built locally has no revisions
+
+
 @pytest.mark.parametrize("command, positional", [("run", ["synthetic", "--model", "m"]), ("ablate", ["gates"])])
 def test_aliases_are_the_same_options(command, positional):
     for flag in ("--max-problems", "--limit", "--max-samples"):

@@ -50,8 +50,12 @@ def register(app: typer.Typer) -> None:
     @app.command()
     def run(
         tasks: str = typer.Argument(..., help="Task names or groups, comma-separated (paper, math, ablation)."),
-        model: str = typer.Option(..., "--model", help="Registry name (melt-eval models) or checkpoint directory.",
-                                  rich_help_panel=MODEL),
+        model: str = typer.Option(..., "--model", rich_help_panel=MODEL,
+                                  help="Registry name (melt-eval models), checkpoint directory, or Hugging Face Hub id "
+                                       "ORG/NAME or ORG/NAME@REVISION (from the Hub's local cache when offline)."),
+        revision: Optional[str] = typer.Option(
+            None, "--revision", rich_help_panel=MODEL,
+            help="Branch, tag or commit of a Hub --model (default: main; same as ORG/NAME@REVISION)."),
         backend: Backend = typer.Option(
             "native", "--backend", rich_help_panel=MODEL,
             help="native (in-process engine) | vllm | endpoint (an OpenAI-compatible server: --base-url)."),
@@ -99,6 +103,9 @@ def register(app: typer.Typer) -> None:
         data_dir: Optional[Path] = typer.Option(
             None, "--data-dir", rich_help_panel=EVALUATION,
             help="Read DIR/<task>.jsonl|.parquet instead of the Hub (default: the Hub, or built in)."),
+        log_samples: bool = typer.Option(
+            False, "--log-samples", rich_help_panel=OUTPUT,
+            help="Also write lm-evaluation-harness's samples_<task>_<date>.jsonl beside the results (default: off)."),
         force: bool = typer.Option(False, "--force", rich_help_panel=EVALUATION,
                                    help="Recompute finished tasks and discard partial ones (default: off, resume)."),
         output: Path = typer.Option(Path("results"), "--output", "--output-dir", rich_help_panel=OUTPUT,
@@ -145,8 +152,8 @@ def register(app: typer.Typer) -> None:
                         kv_cache_bytes=kv_cache_bytes, tensor_parallel_size=tensor_parallel_size),
         )
         try:
-            results = run_tasks(tasks, model, options, paths, backend=settings, max_problems=max_problems, force=force,
-                                progress=progress, unsafe_local_exec=unsafe_local_exec)
+            results = run_tasks(tasks, model, options, paths, backend=settings, revision=revision, max_problems=max_problems,
+                                force=force, progress=progress, unsafe_local_exec=unsafe_local_exec, log_samples=log_samples)
         except KeyboardInterrupt:
             typer.secho("interrupted: finished problems are saved; run the same command again to continue",
                         fg=typer.colors.YELLOW, err=True)

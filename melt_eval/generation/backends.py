@@ -278,8 +278,7 @@ def check_backend_settings(options: InferenceOptions, settings: BackendSettings)
     if kind == "endpoint" and options.sets_model_options:
         raise UserError("--loops, --kv-sharing, --share-prompt and --prefill-chunk are the server's settings with "
                         "--backend endpoint: pass them to `melt-eval serve` and drop them here")
-    if kind == "vllm" and options.share_prompt:
-        raise UserError("--share-prompt is a native-engine option; drop it or use --backend native")
+    # vLLM's untrained KV sharing covers the prompt (--share-prompt); cache_layout refuses the other form there
 
 
 def make_backend(model: str, options: InferenceOptions, settings: BackendSettings) -> LoadedBackend:
