@@ -105,7 +105,8 @@ def plan(ablation: str, preset: str = "paper", base: "str | TrainRun | None" = N
 
 def _train_command(run: TrainRun, runs_dir: Path) -> str:
     start = runs_dir / run.start.run_id if isinstance(run.start, TrainRun) else run.start
-    return train_command(run.recipe, start, runs_dir / run.run_id, run.overrides)
+    # the paper-sized recipes are run on many GPUs with the FSDP config; the tiny ones in one process
+    return train_command(run.recipe, start, runs_dir / run.run_id, run.overrides, fsdp=run.recipe.startswith("paper"))
 
 
 def _eval_model(variant: VariantPlan, runs_dir: Path) -> str:

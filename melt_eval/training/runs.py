@@ -41,8 +41,13 @@ def final_gate_means(run_dir: Path) -> list[float] | None:
 _SWITCHES = {"gate": "--gate", "interpolation_steps": "--interpolation-steps", "chunk_size": "--chunk-size"}
 
 
-def train_command(recipe: str, from_model: str | Path, output: Path, overrides: dict) -> str:
-    """The `melt-eval train` command line that runs `recipe` with `overrides` (what `ablate --dry-run` prints)."""
+# Multi-GPU launch with the FSDP config shipped beside the recipes (what the paper-sized runs need).
+FSDP_LAUNCH = "accelerate launch --config_file melt_eval/recipes/accelerate/fsdp.yaml -m melt_eval.cli train"
+
+
+def train_command(recipe: str, from_model: str | Path, output: Path, overrides: dict, *, fsdp: bool = False) -> str:
+    """The `melt-eval train` command line that runs `recipe` with `overrides` (what `ablate --dry-run` prints);
+    fsdp: the `accelerate launch` form with melt_eval/recipes/accelerate/fsdp.yaml instead."""
     flags = []
     for key, value in sorted(overrides.items()):
         if key == "kd":
@@ -51,4 +56,5 @@ def train_command(recipe: str, from_model: str | Path, output: Path, overrides: 
             flags.append(f"{_SWITCHES[key]} {value}")
         else:
             flags.append(f"--set {key}={value}")
-    return " ".join([f"melt-eval train --recipe {recipe} --from {from_model} --output {output}", *flags])
+    launcher = FSDP_LAUNCH if fsdp else "melt-eval train"
+    return " ".join([f"{launcher} --recipe {recipe} --from {from_model} --output {output}", *flags])
