@@ -26,6 +26,9 @@ def register(app: typer.Typer) -> None:
         config: Optional[Path] = typer.Option(None, "--config", help="YAML file of recipe keys applied over the recipe (default: none)."),
         set_: list[str] = typer.Option([], "--set", help="Override one recipe key: --set key=value (repeatable)."),
         progress: bool = typer.Option(True, "--progress/--no-progress", help="Show the progress bar."),
+        log_with: list[str] = typer.Option([], "--log-with", help="Experiment trackers (Accelerate): tensorboard, wandb, trackio, mlflow, ..., all or none; repeatable or comma-separated (default: the recipe's log_with: tensorboard where installed, in DIR/logs/tb)."),
+        push_to_hub: bool = typer.Option(False, "--push-to-hub", help="After a finished run, upload DIR (model, tokenizer, model card) to the Hugging Face Hub (default: off; the model card README.md is written either way)."),
+        hub_model_id: Optional[str] = typer.Option(None, "--hub-model-id", help="Hub repo for --push-to-hub, NAME or USER/NAME (default: the --output directory's name)."),
     ) -> None:
         """Train MELT from a LoopLM (or a LoopLM from scratch) with a YAML recipe; Accelerate-launchable."""
         from melt_eval.errors import UserError
@@ -42,10 +45,11 @@ def register(app: typer.Typer) -> None:
         overrides = parse_set(set_)
         switches = {"gate": gate, "chunk_size": chunk_size, "interpolation_steps": interpolation_steps, "kd": kd,
                     "align_beta": align_beta, "phase": phase, "teacher": teacher, "max_steps": max_steps,
-                    "from_model": from_model}
+                    "from_model": from_model, "log_with": ",".join(log_with) or None}
         overrides.update({k: v for k, v in switches.items() if v is not None})
         if phase == 2 and interpolation_steps is None:
             overrides["interpolation_steps"] = 0  # phase 2 runs at alpha = 1
         resolved = load_recipe(recipe, config_file=config, overrides=overrides)
-        out = run_recipe(resolved, output=output, resume=resume, progress=progress)
+        out = run_recipe(resolved, output=output, resume=resume, progress=progress, push_to_hub=push_to_hub,
+                         hub_model_id=hub_model_id)
         typer.echo(f"trained model written to {out}")

@@ -21,7 +21,7 @@ from melt_eval.jsonio import read_text
 
 RECIPES_DIR = Path(__file__).resolve().parents[1] / "recipes"  # package data: shipped in the wheel
 # how a run executes, not what it computes: may change on resume, left out of run identities
-EXECUTION_FIELDS = {"compile"}
+EXECUTION_FIELDS = {"compile", "log_with"}
 # fields added after run identities were first published, with the value every earlier run had: at that
 # value a field is left out of a run's identity, so a run an older melt-eval trained is found, not retrained
 ADDED_FIELDS = {"prompt_as_one_chunk": False}
@@ -85,6 +85,9 @@ class Recipe:
     save_every: int = 100  # optimiser steps between resumable checkpoints (0 = only at the end)
     keep_checkpoints: int = 2
     log_every: int = 1
+    # Accelerate trackers, comma-separated: tensorboard, wandb, trackio, mlflow, ... | all | none | auto
+    # (auto: tensorboard where the package is installed). tensorboard: false (the older key) drops it.
+    log_with: str = "auto"
     tensorboard: bool = True
 
     # ------------------------------------------------------------------------------------
@@ -109,6 +112,9 @@ class Recipe:
             bad(f"gate must be one of {', '.join(GATES)}, got {self.gate!r}")
         if self.overlong not in OVERLONG:
             bad(f"overlong must be one of {', '.join(OVERLONG)}, got {self.overlong!r}")
+        from melt_eval.training.metrics import check_log_with
+
+        check_log_with(self.log_with, bad)
         if self.mixed_precision not in MIXED_PRECISION:
             bad(f"mixed_precision must be one of {MIXED_PRECISION}, got {self.mixed_precision!r}")
         for name in ("chunk_size", "interpolation_steps", "warmup_steps", "save_every"):

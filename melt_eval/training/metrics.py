@@ -1,4 +1,4 @@
-"""Per-step metrics (logs/metrics.jsonl, TensorBoard) and the progress line.
+"""Per-step metrics (logs/metrics.jsonl, Accelerate's trackers: TensorBoard, wandb, trackio, mlflow...) and the progress line.
 
 A resumed run redoes the steps after its checkpoint, so the log is cut back to that step first:
 metrics.jsonl then holds each step once, as if the run had never stopped, and readers
@@ -7,6 +7,7 @@ metrics.jsonl then holds each step once, as if the run had never stopped, and re
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 from pathlib import Path
@@ -29,14 +30,74 @@ def read_metrics(path: Path) -> tuple[list[tuple[str, dict]], int]:
     return records, cut
 
 
-class Logger:
-    """Per-step metrics to JSONL and TensorBoard (main process only)."""
+AUTO, NONE, ALL = "auto", "none", "all"
 
-    def __init__(self, output: Path, enabled: bool, tensorboard: bool, resume_step: int) -> None:
+
+def tracker_names() -> list[str]:
+    """The tracker names Accelerate knows (tensorboard, wandb, trackio, mlflow, comet_ml, aim, ...)."""
+    from accelerate.tracking import LOGGER_TYPE_TO_CLASS
+
+    return sorted(LOGGER_TYPE_TO_CLASS)
+
+
+def check_log_with(value: str, bad) -> None:
+    names = [n.strip() for n in str(value).split(",") if n.strip()]
+    unknown = [n for n in names if n not in (AUTO, NONE, ALL, *tracker_names())]
+    if unknown or not names:
+        bad(f"log_with: unknown tracker {', '.join(unknown) or repr(value)}; choose from "
+            f"{', '.join([AUTO, NONE, ALL, *tracker_names()])} (comma-separated)")
+
+
+def trackers(log_with: str, tensorboard: bool, output: Path) -> list:
+    """What `Accelerator(log_with=...)` gets for a recipe's `log_with` (and the older `tensorboard` key).
+    TensorBoard writes to DIR/logs/tb (Logger cuts it back to the resumed step, as metrics.jsonl)."""
+    names = [n.strip() for n in str(log_with).split(",") if n.strip()]
+    if ALL in names:
+        from accelerate.utils import filter_trackers
+
+        names = [str(t) for t in filter_trackers(ALL)]
+    has_tb = importlib.util.find_spec("tensorboard") is not None
+    if AUTO in names:
+        names = [n for n in names if n != AUTO] + (["tensorboard"] if has_tb else [])
+    names = list(dict.fromkeys(n for n in names if n != NONE and (tensorboard or n != "tensorboard")))
+    out: list = [n for n in names if n != "tensorboard"]
+    if "tensorboard" in names:
+        from accelerate.tracking import TensorBoardTracker
+
+        out.insert(0, TensorBoardTracker("tb", str(output / "logs")))
+    return out
+
+
+def scalars(record: dict) -> dict:
+    """A record's finite numbers as tracker scalars (dots become slashes; gate means per layer and loop)."""
+    values = {}
+    for key, value in record.items():
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and key != "step" and math.isfinite(value):
+            values[key.replace(".", "/")] = value
+    for name, means in (record.get("gate_mean") or {}).items():
+        for t, v in enumerate(means):
+            if v is not None:
+                values[f"gate/{name}/loop{t + 1}"] = v
+    return values
+
+
+class Logger:
+    """Per-step metrics to JSONL (main process only) and to the accelerator's trackers."""
+
+    def __init__(self, output: Path, enabled: bool, resume_step: int, accelerator=None, config: dict | None = None) -> None:
         self.enabled = enabled
         self.path = output / "logs" / "metrics.jsonl"
-        self.tb = None
+        self.accelerator = accelerator if accelerator is not None and accelerator.log_with else None
         self.note = None  # set before the early return: every process's caller reads it
+        if self.accelerator is not None:  # init_trackers and log run on the main process only
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            for tracker in self.accelerator.log_with:  # a resumed run redoes the steps after its checkpoint
+                if resume_step and getattr(tracker, "name", None) == "tensorboard":
+                    tracker.init_kwargs["purge_step"] = resume_step + 1
+            # the recipe as hyperparameters for wandb & co. (TensorBoard alone: recipe.yaml is beside it)
+            only_tb = all(getattr(t, "name", t) == "tensorboard" for t in self.accelerator.log_with)
+            self.accelerator.init_trackers("melt-eval", config=None if only_tb else _flat(config or {}),
+                                           init_kwargs={"wandb": {"name": output.name}})
         if not enabled:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -46,29 +107,22 @@ class Logger:
             write_text_atomic(self.path, "".join(line + "\n" for line in keep))
             if cut:
                 self.note = f"dropped {cut} cut line{'s' if cut > 1 else ''} of {self.path}"
-        if tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self.tb = SummaryWriter(str(output / "logs" / "tb"), purge_step=resume_step + 1 if resume_step else None)
 
     def log(self, record: dict) -> None:
-        if not self.enabled:
-            return
-        with self.path.open("a") as f:
-            f.write(json.dumps(record) + "\n")
-        if self.tb is not None:
-            step = record["step"]
-            for key, value in record.items():
-                if isinstance(value, (int, float)) and key != "step" and math.isfinite(value):
-                    self.tb.add_scalar(key.replace(".", "/"), value, step)
-            for name, means in (record.get("gate_mean") or {}).items():
-                for t, v in enumerate(means):
-                    if v is not None:
-                        self.tb.add_scalar(f"gate/{name}/loop{t + 1}", v, step)
+        if self.enabled:
+            with self.path.open("a") as f:
+                f.write(json.dumps(record) + "\n")
+        if self.accelerator is not None:
+            self.accelerator.log(scalars(record), step=record["step"])
 
     def close(self) -> None:
-        if self.tb is not None:
-            self.tb.close()
+        if self.accelerator is not None:
+            self.accelerator.end_training()
+
+
+def _flat(config: dict) -> dict:
+    """Recipe values trackers accept as hyperparameters (numbers, strings, bools)."""
+    return {k: v for k, v in config.items() if isinstance(v, (int, float, str, bool))}
 
 
 def status(record: dict) -> str:

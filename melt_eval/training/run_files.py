@@ -20,7 +20,7 @@ from melt_eval.training.config import EXECUTION_FIELDS, Recipe, parse_yaml
 
 META_FILE = "melt_eval_training.json"
 # keys that may differ when resuming (they do not change what the run computes)
-RESUME_MUTABLE = {"save_every", "keep_checkpoints", "log_every", "tensorboard"} | EXECUTION_FIELDS
+RESUME_MUTABLE = {"save_every", "keep_checkpoints", "log_every", "tensorboard", "log_with"} | EXECUTION_FIELDS
 
 
 def read_meta(run_dir: Path) -> dict | str | None:

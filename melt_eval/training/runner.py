@@ -13,9 +13,10 @@ Output directory layout:
 
     DIR/config.json, model.safetensors, tokenizer files   final model (HF format)
     DIR/melt_eval_training.json                           recipe, code version, teacher, status
+    DIR/README.md                                         model card (a finished run; --push-to-hub uploads DIR)
     DIR/recipe.yaml                                       the fully resolved recipe
     DIR/checkpoints/step-000100/{state/, trainer_state.json}   resumable (Accelerate state + data position)
-    DIR/logs/metrics.jsonl, DIR/logs/tb/                   per-step metrics, TensorBoard
+    DIR/logs/metrics.jsonl, DIR/logs/tb/                   per-step metrics, TensorBoard (Accelerate trackers: log_with)
     DIR/.melt-eval.lock                                    held while a run writes here (melt_eval.files.DirLock)
 
 A checkpoint is written to checkpoints/.tmp-step-N, fsynced, then renamed to step-N, with
@@ -37,7 +38,8 @@ from melt_eval.files import DirLock
 from melt_eval.training.build import param_groups, prepare_training
 from melt_eval.training.checkpoints import load_checkpoint, write_checkpoint
 from melt_eval.training.config import Recipe
-from melt_eval.training.metrics import Logger, progress_bar, read_metrics, status
+from melt_eval.training.metrics import Logger, progress_bar, read_metrics, status, trackers
+from melt_eval.training.runs import FINISHED, run_state
 from melt_eval.training.run_files import META_FILE, export, prepare_output, run_meta, write_run_start
 from melt_eval.training.step import NonFiniteLoss, Trainee, forward_objective, lr_factor, train_step
 
@@ -46,12 +48,13 @@ __all__ = ["META_FILE", "NonFiniteLoss", "forward_objective", "lr_factor", "para
 
 
 def train(recipe: Recipe, output: str | Path, *, resume: bool = False, progress: bool = True, stop_after: int | None = None,
-          label: str | None = None) -> Path:
+          label: str | None = None, push_to_hub: bool = False, hub_model_id: str | None = None) -> Path:
     """Run a recipe; returns the output directory (the final model is written there).
 
     The output directory is locked for the run (melt_eval.files.DirLock): a second `train` into it
     is refused with the PID of the first. stop_after: stop (with a resumable checkpoint) once this
-    many optimiser steps are done, as if interrupted; used by tests of --resume.
+    many optimiser steps are done, as if interrupted; used by tests of --resume. A finished run gets a
+    model card (DIR/README.md); push_to_hub then uploads DIR to `hub_model_id` (default: DIR's name).
     """
     from accelerate import PartialState
 
@@ -59,7 +62,12 @@ def train(recipe: Recipe, output: str | Path, *, resume: bool = False, progress:
     # the main process holds the lock for all of them (other ranks write only checkpoint shards)
     lock = DirLock(output, "training run") if PartialState().is_main_process else contextlib.nullcontext()
     with lock:
-        return _train(recipe, output, resume=resume, progress=progress, stop_after=stop_after, label=label)
+        _train(recipe, output, resume=resume, progress=progress, stop_after=stop_after, label=label)
+    if PartialState().is_main_process and push_to_hub and run_state(output) == FINISHED:
+        from melt_eval.training.publish import push_to_hub as push
+
+        print(f"pushed {output} to {push(output, hub_model_id)}")
+    return output
 
 
 @torch.enable_grad()  # whatever the caller's mode (an evaluation earlier in the process may have turned it off)
@@ -72,7 +80,8 @@ def _train(recipe: Recipe, output: Path, *, resume: bool, progress: bool, stop_a
     mp = recipe.mixed_precision
     if mp == "auto":
         mp = "bf16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "no"
-    accelerator = Accelerator(mixed_precision=mp)
+    accelerator = Accelerator(mixed_precision=mp, project_dir=str(output / "logs"),
+                              log_with=trackers(recipe.log_with, recipe.tensorboard, output) or None)
     set_seed(recipe.seed)
     for note in notes:
         accelerator.print(f"note: {note}")
@@ -84,7 +93,7 @@ def _train(recipe: Recipe, output: Path, *, resume: bool, progress: bool, stop_a
     meta = run_meta(recipe, info, trainee.world, mp, trainee.accum)
     if accelerator.is_main_process:
         write_run_start(output, recipe, meta)
-    logger = Logger(output, accelerator.is_main_process, recipe.tensorboard, start_step)
+    logger = Logger(output, accelerator.is_main_process, start_step, accelerator, recipe.to_dict())
     if logger.note:
         accelerator.print(f"note: {logger.note}")
 
@@ -97,7 +106,12 @@ def _train(recipe: Recipe, output: Path, *, resume: bool, progress: bool, stop_a
 
     if step < recipe.max_steps:  # stopped early on purpose (stop_after): resumable, not finished
         return output
-    export(accelerator, trainee.model, tokenizer, output, {**meta, "status": "finished", "steps": step, "tokens_seen": tokens_seen})
+    final = {**meta, "status": "finished", "steps": step, "tokens_seen": tokens_seen}
+    export(accelerator, trainee.model, tokenizer, output, final)
+    if accelerator.is_main_process:
+        from melt_eval.training.publish import write_model_card
+
+        write_model_card(output, final)
     return output
 
 
@@ -125,7 +139,8 @@ def _loop(t: Trainee, output: Path, logger: Logger, step: int, tokens_seen: int,
 
 def run_recipe(name: str | Recipe, from_model: str | None = None, output: str | Path = "runs/melt", *,
                overrides: dict | None = None, config_file: str | None = None, resume: bool = False,
-               progress: bool = True, stop_after: int | None = None, label: str | None = None) -> Path:
+               progress: bool = True, stop_after: int | None = None, label: str | None = None,
+               push_to_hub: bool = False, hub_model_id: str | None = None) -> Path:
     """Python entry point (used by the CLI, `ablate` and the demo): resolve a recipe and train it.
     `label` names the run in progress lines (runs trained side by side must be told apart)."""
     from melt_eval.training.config import _check_keys, load_recipe
@@ -141,4 +156,5 @@ def run_recipe(name: str | Recipe, from_model: str | None = None, output: str | 
         if from_model is not None:
             overrides["from_model"] = from_model
         recipe = load_recipe(name, config_file=config_file, overrides=overrides)
-    return train(recipe, output, resume=resume, progress=progress, stop_after=stop_after, label=label)
+    return train(recipe, output, resume=resume, progress=progress, stop_after=stop_after, label=label,
+                 push_to_hub=push_to_hub, hub_model_id=hub_model_id)
