@@ -30,7 +30,7 @@ def test_model_card_written(tmp_path: Path) -> None:
 
     text = write_model_card(tmp_path, _meta(), "me/melt-test").read_text()
     for want in ("ouro-1.4b-thinking", "| phase | 1 |", "| steps | 3 |", "| tokens seen | 1234 |", "abc1234",
-                 "MELT: Memory-Efficient Looped Transformer", "melt-eval", "me/melt-test"):
+                 "Memory-Efficient Looped Transformer: Decoupling Compute from Memory", "melt-eval", "me/melt-test"):
         assert want in text, want
 
 

@@ -12,8 +12,10 @@ from melt_eval.errors import UserError
 from melt_eval.files import write_text_atomic
 
 CITATION = """@misc{melt,
-  title  = {MELT: Memory-Efficient Looped Transformer},
-  note   = {The method this model was trained with; reproduced by melt-eval},
+  title  = {Memory-Efficient Looped Transformer: Decoupling Compute from Memory in Looped Language Models},
+  author = {Conchello Vendrell, Victor and Padr{\\'e}s Masdemont, Arnau and Grillo, Niccol{\\`o} and
+            Ros-Giralt, Jordi and Behboodi, Arash and Massoli, Fabio Valerio},
+  note   = {Qualcomm AI Research},
 }"""
 
 
