@@ -34,3 +34,12 @@ def queued_job(log: str, name: str, wait_for: str | None = None) -> None:
             raise TimeoutError(f"{name}: {wait_for} never started beside it")
         time.sleep(0.05)
     mark("end")
+
+
+def one_line_error(capsys, code: int, *fragments: str) -> str:
+    """The CLI's refusal: exit 2 and exactly one stderr line, "error: ...", holding every fragment."""
+    err = capsys.readouterr().err.strip()
+    assert code == 2, err
+    assert len(err.splitlines()) == 1 and err.startswith("error: "), err
+    assert all(f in err for f in fragments), err
+    return err

@@ -11,16 +11,9 @@ from melt_eval.evaluation import RunPaths, run_tasks
 from melt_eval.generation.options import InferenceOptions, Sampling
 
 from helpers import main_exit_code as _main
+from helpers import one_line_error as _one_line_error
 
 TINY_RUN = ["--max-problems", "2", "--samples", "2", "--max-new-tokens", "4", "--no-progress"]
-
-
-def _one_line_error(capsys, code, *fragments):
-    err = capsys.readouterr().err.strip()
-    assert code == 2, err
-    assert len(err.splitlines()) == 1 and err.startswith("error: "), err
-    assert all(f in err for f in fragments), err
-    return err
 
 
 # --- data, completions and config files that cannot be read ----------------------------------------

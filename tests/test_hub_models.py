@@ -10,17 +10,10 @@ import time
 import pytest
 
 from helpers import main_exit_code as _main
+from helpers import one_line_error as _one_line_error
 
 SHA = "0123456789abcdef0123456789abcdef01234567"
 TINY_RUN = ["--max-problems", "1", "--samples", "1", "--max-new-tokens", "4", "--no-progress"]
-
-
-def _one_line_error(capsys, code, *fragments):
-    err = capsys.readouterr().err.strip()
-    assert code == 2, err
-    assert len(err.splitlines()) == 1 and err.startswith("error: "), err
-    assert all(f in err for f in fragments), err
-    return err
 
 
 def _snapshot(hub, repo_id: str, files_from=None, config=None, sha: str = SHA):
