@@ -14,9 +14,6 @@ wired to the vLLM backend, so the report never imports a backend.
 from __future__ import annotations
 
 import importlib
-import importlib.machinery
-import importlib.util
-import os
 import sys
 
 import typer
@@ -32,32 +29,6 @@ COMMAND_MODULES = (
     "melt_eval.report.cli",
     "melt_eval.experiments.cli",
 )
-# Packages whose __init__ loads torch: melt_eval.modeling registers its model classes with transformers,
-# melt_eval.training re-exports its runner. Their command modules are loaded from their own files, without
-# that __init__, which runs as usual once a command imports the package's library. When those packages
-# start light, this set empties and every command module is imported plainly.
-HEAVY_PACKAGE_INIT = {"melt_eval.modeling", "melt_eval.training"}
-
-
-def command_module(name: str):
-    """Import the command module `name`; in a HEAVY_PACKAGE_INIT package (not yet imported), without its __init__."""
-    package = name.rpartition(".")[0]
-    if name in sys.modules or package not in HEAVY_PACKAGE_INIT or package in sys.modules:
-        return importlib.import_module(name)
-    import melt_eval
-
-    where = [os.path.join(p, package.rpartition(".")[2]) for p in melt_eval.__path__]
-    spec = importlib.machinery.PathFinder.find_spec(name, where)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    try:
-        spec.loader.exec_module(module)
-    except BaseException:
-        del sys.modules[name]
-        raise
-    return module
-
-
 def vllm_measure_kv():
     """`memory --measure vllm`'s measurement: the vLLM backend's `measure_kv`, imported on use (vLLM is optional)."""
     from melt_eval.generation.vllm_backend import measure_kv
@@ -84,7 +55,7 @@ def _root() -> None:
 
 
 for _name in COMMAND_MODULES:
-    command_module(_name).register(app, **WIRING.get(_name, {}))
+    importlib.import_module(_name).register(app, **WIRING.get(_name, {}))
 
 
 def main() -> None:

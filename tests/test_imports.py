@@ -91,7 +91,7 @@ def import_graph() -> dict[str, dict[str, int]]:
     graph = {name: imports_of(name, path, is_package, known) for name, (path, is_package) in known.items()}
     for node in ast.walk(ast.parse(known["melt_eval.cli"][0].read_text(encoding="utf-8"))):
         if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "COMMAND_MODULES" for t in node.targets):
-            for item in node.value.elts:  # the command modules, loaded by name (melt_eval.cli.command_module)
+            for item in node.value.elts:  # the command modules, loaded by name (melt_eval.cli.COMMAND_MODULES)
                 graph["melt_eval.cli"].setdefault(item.value, item.lineno)
     return graph
 

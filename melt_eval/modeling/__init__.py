@@ -1,23 +1,25 @@
-"""Model classes; importing this registers "ouro" and "melt" with transformers' Auto classes."""
+"""Model classes. Importing a class's module registers its model type ("ouro", "melt") with transformers'
+Auto classes; this package imports them on first use, so importing it (a command module does) stays light."""
 
-from transformers import AutoConfig, AutoModelForCausalLM
+from importlib import import_module
 
-from melt_eval.modeling.looplm import LoopLMConfig, LoopLMForCausalLM, LoopLMOutput
-from melt_eval.modeling.melt import GATES, MeltConfig, MeltForCausalLM
-from melt_eval.modeling.loading import load_model, load_tokenizer
+_EXPORTS = {
+    "GATES": "melt_eval.modeling.gates",
+    "LoopLMConfig": "melt_eval.modeling.looplm",
+    "LoopLMForCausalLM": "melt_eval.modeling.looplm",
+    "LoopLMOutput": "melt_eval.modeling.looplm",
+    "MeltConfig": "melt_eval.modeling.melt",
+    "MeltForCausalLM": "melt_eval.modeling.melt",
+    "load_model": "melt_eval.modeling.loading",
+    "load_tokenizer": "melt_eval.modeling.loading",
+}
 
-AutoConfig.register("ouro", LoopLMConfig, exist_ok=True)
-AutoConfig.register("melt", MeltConfig, exist_ok=True)
-AutoModelForCausalLM.register(LoopLMConfig, LoopLMForCausalLM, exist_ok=True)
-AutoModelForCausalLM.register(MeltConfig, MeltForCausalLM, exist_ok=True)
+__all__ = sorted(_EXPORTS)
 
-__all__ = [
-    "GATES",
-    "LoopLMConfig",
-    "LoopLMForCausalLM",
-    "LoopLMOutput",
-    "MeltConfig",
-    "MeltForCausalLM",
-    "load_model",
-    "load_tokenizer",
-]
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(import_module(_EXPORTS[name]), name)
+    globals()[name] = value
+    return value

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import PreTrainedConfig, PreTrainedModel
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedConfig, PreTrainedModel
 from transformers.modeling_outputs import ModelOutput
 
 from torch.utils.checkpoint import checkpoint
@@ -489,3 +489,8 @@ class LoopLMForCausalLM(LoopLMPreTrainedModel):
         Reported only: the released configuration always runs all T loops."""
         out = self(input_ids, output_loop_states=True)
         return torch.stack([torch.sigmoid(self.model.early_exit_gate(h)).squeeze(-1) for h in out.hidden_states])
+
+
+# transformers' Auto classes load "ouro" checkpoints with this class (no remote code), from wherever it is imported
+AutoConfig.register("ouro", LoopLMConfig, exist_ok=True)
+AutoModelForCausalLM.register(LoopLMConfig, LoopLMForCausalLM, exist_ok=True)

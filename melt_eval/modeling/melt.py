@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from melt_eval.modeling.gates import GATES, LEARNED_GATES, gate_update
 from melt_eval.modeling.looplm import LoopLMConfig, LoopLMDecoderLayer, LoopLMForCausalLM
@@ -89,3 +90,7 @@ class MeltForCausalLM(LoopLMForCausalLM):
         for p in model.gate_parameters():
             p.data.copy_(torch.randn(p.shape, generator=generator) * 0.02)
         return model.train(looplm.training)
+
+
+AutoConfig.register("melt", MeltConfig, exist_ok=True)
+AutoModelForCausalLM.register(MeltConfig, MeltForCausalLM, exist_ok=True)

@@ -1,6 +1,21 @@
-"""MELT training: recipes, data, the objective, and the Accelerate-based runner (`melt-eval train`)."""
+"""MELT training: recipes, data, the objective, and the Accelerate-based runner (`melt-eval train`).
+The runner (torch, Accelerate) is imported on first use, so importing the package stays light."""
 
-from melt_eval.training.config import Recipe, load_recipe
-from melt_eval.training.runner import run_recipe, train
+from importlib import import_module
 
-__all__ = ["Recipe", "load_recipe", "run_recipe", "train"]
+_EXPORTS = {
+    "Recipe": "melt_eval.training.config",
+    "load_recipe": "melt_eval.training.config",
+    "run_recipe": "melt_eval.training.runner",
+    "train": "melt_eval.training.runner",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(import_module(_EXPORTS[name]), name)
+    globals()[name] = value
+    return value
