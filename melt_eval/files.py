@@ -28,6 +28,9 @@ from pathlib import Path
 from melt_eval.errors import UserError
 
 LOCK_NAME = ".melt-eval.lock"
+# A training run's record (recipe, code, status) in its output directory, beside the exported model:
+# training/run_files.py writes it; `run` and `serve` read its recipe (generation/options.py).
+TRAINING_META = "melt_eval_training.json"
 
 
 def fsync_dir(path: Path) -> None:

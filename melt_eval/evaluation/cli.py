@@ -80,8 +80,11 @@ def register(app: typer.Typer) -> None:
                  "entries (default: none, a cache per loop)."),
         share_prompt: bool = typer.Option(False, "--share-prompt", rich_help_panel=MODEL,
                                           help="KV sharing also over the prompt (no prefill; default: off)."),
-        prefill_chunk: int = typer.Option(1, "--prefill-chunk", rich_help_panel=MODEL,
-                                          help="Prompt chunk size C (1 = exact MELT)."),
+        prefill_chunk: Optional[int] = typer.Option(
+            None, "--prefill-chunk", rich_help_panel=MODEL, show_default=False,
+            help="Prompt chunk size C (1 = exact MELT). Default: what the checkpoint was trained with, from its "
+                 "melt_eval_training.json (the prompt whole where it trained the prompt as one chunk, else its "
+                 "chunk_size); 1 without one. `run` prints which."),
         samples: Optional[int] = typer.Option(None, "--samples", rich_help_panel=GENERATION,
                                               help="Samples per problem (default: the paper's, per task)."),
         temperature: float = typer.Option(1.0, "--temperature", rich_help_panel=GENERATION,
@@ -153,7 +156,8 @@ def register(app: typer.Typer) -> None:
         )
         try:
             results = run_tasks(tasks, model, options, paths, backend=settings, revision=revision, max_problems=max_problems,
-                                force=force, progress=progress, unsafe_local_exec=unsafe_local_exec, log_samples=log_samples)
+                                force=force, progress=progress, unsafe_local_exec=unsafe_local_exec, log_samples=log_samples,
+                                note=lambda line: typer.echo(line, err=True))
         except KeyboardInterrupt:
             typer.secho("interrupted: finished problems are saved; run the same command again to continue",
                         fg=typer.colors.YELLOW, err=True)

@@ -235,7 +235,8 @@ class LoadedModel:
         loaded = make_backend(model, options, backend)
         self.model_dir, self.model, self.tokenizer = loaded.model_dir, loaded.model, loaded.tokenizer
         self.backend, self.loops, self.config_hash = loaded.backend, loaded.loops, loaded.config_hash
-        self.options, self.backend_config = options, backend
+        self.options, self.backend_config = loaded.options, backend  # prefill_chunk decided for this checkpoint
+        self.note = loaded.note
         # a checkpoint runs under its directory's name, however it was spelled ("." included)
         self.display = model if model in MODELS else (self.model_dir.resolve().name or "model")
 
@@ -287,12 +288,14 @@ def run_tasks(
     progress: bool = True,
     unsafe_local_exec: bool = False,
     log_samples: bool = False,
+    note=None,
 ) -> list[dict]:
     """Evaluate `model` (registry name, checkpoint directory or Hub id) on `tasks` (names or groups) with the
     paper's protocol; see docs/CONTRACTS.md. `options`: how the model generates (sample count and
     length left None take each task's own); `paths`: where results go and rows come from; `backend`:
     what generates; `max_problems`: the first N problems of each task; `log_samples`: also write
-    lm-evaluation-harness's samples_<task>_<date>.jsonl."""
+    lm-evaluation-harness's samples_<task>_<date>.jsonl; `note(line)`: told where a default left to the
+    checkpoint came from (the prefill chunk), once the model is found."""
     names = expand(tasks)
     if not names:
         raise UserError(f"no task given ({tasks!r}); name one or more tasks or groups, comma-separated "
@@ -317,11 +320,14 @@ def run_tasks(
     try:
         for task in names:
             spec = SPECS[task]
-            task_options = options.for_task(spec.samples, spec.max_new_tokens)
-            sampling = task_options.sampling
             if loaded is None:
                 loaded = LoadedModel(model, options, backend)
                 loaded.display = paths.name or ref.display  # a Hub model runs under its repository's name
+                if note is not None and loaded.note:
+                    note(loaded.note)
+            options = loaded.options  # the prefill chunk decided for this checkpoint
+            task_options = options.for_task(spec.samples, spec.max_new_tokens)
+            sampling = task_options.sampling
             task_dir = (Path(paths.results_dir) if paths.results_dir else Path(paths.output) / loaded.display) / task
             # the run's identity: these keys and values are those of every earlier version (results resume)
             run_settings = {

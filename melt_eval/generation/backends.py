@@ -247,6 +247,8 @@ class LoadedBackend:
     loops: int | None  # the run's T (results.json's "loops"); None for a model that does not loop
     config_hash: str
     model: object | None = None  # the in-process model (native backend only)
+    options: InferenceOptions | None = None  # the run's options, prefill_chunk decided (InferenceOptions.for_checkpoint)
+    note: str | None = None  # where a default prefill chunk came from, for the user
 
 
 def config_hash(config) -> str:
@@ -298,6 +300,10 @@ def make_backend(model: str, options: InferenceOptions, settings: BackendSetting
         raise UserError("--loops applies to looped models (Ouro, MELT) only")
     if not looped and (options.kv_sharing or options.share_prompt):
         raise UserError("--kv-sharing and --share-prompt apply to LoopLM (Ouro) models only")
+    # the prompt chunk a looped checkpoint was trained with, unless --prefill-chunk says (1 for other models)
+    options, note = options.for_checkpoint(model_dir) if looped else (replace(options, prefill_chunk=options.chunk), None)
+    if kind == "endpoint":
+        note = None  # the server's setting: recorded as `melt-eval serve` defaults it, not the user's to pass here
     engine = {k: v for k, v in (settings.engine or {}).items() if v is not None}
 
     if kind == "native":
@@ -331,4 +337,4 @@ def make_backend(model: str, options: InferenceOptions, settings: BackendSetting
                                 max_cache_bytes=settings.max_cache_bytes,
                                 allow_beyond_max_positions=settings.allow_beyond_max_positions)
     return LoadedBackend(model_dir=model_dir, backend=backend, tokenizer=tokenizer, loops=loops,
-                         config_hash=fingerprint, model=loaded)
+                         config_hash=fingerprint, model=loaded, options=options, note=note)

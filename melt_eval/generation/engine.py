@@ -291,7 +291,7 @@ def _generate(model, prompts, options: InferenceOptions, *, n, temperature, top_
         seqs, lps, fins = _decode_wave(
             model, caches, [(prompts[i], k) for i, k in groups], generators, p_max=p_max,
             max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, eos=eos, stops=stops,
-            prefill_chunk=options.prefill_chunk, kv_sharing=kv_sharing, callback=callback,
+            prefill_chunk=options.chunk, kv_sharing=kv_sharing, callback=callback,
         )
         del caches
         sequences += seqs

@@ -9,11 +9,16 @@ flag and the values it takes. Whether `kv_sharing` fits a model's cache is for
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 
 from melt_eval.cache_layout import check_kv_sharing
 from melt_eval.errors import UserError
+from melt_eval.files import TRAINING_META
+
+DEFAULT_PREFILL_CHUNK = 1  # exact MELT: where neither --prefill-chunk nor the checkpoint's training says otherwise
 
 
 def _whole(value) -> bool:
@@ -84,19 +89,20 @@ class Sampling:
 @dataclass(frozen=True)
 class InferenceOptions:
     """How the model runs: loops T (None: the checkpoint's), untrained KV sharing ("first" | "last",
-    Ouro only) and whether it covers the prompt, the prompt chunk C (1 = exact MELT), and sampling."""
+    Ouro only) and whether it covers the prompt, the prompt chunk C (1 = exact MELT; None: what the
+    checkpoint was trained with, `for_checkpoint`), and sampling."""
 
     loops: int | None = None
     kv_sharing: str | None = None
     share_prompt: bool = False
-    prefill_chunk: int = 1
+    prefill_chunk: int | None = None
     sampling: Sampling = field(default_factory=Sampling)
 
     def __post_init__(self) -> None:
         if self.loops is not None and (not _whole(self.loops) or self.loops < 1):
             raise UserError(f"--loops must be at least 1, got {self.loops!r}")
         check_kv_sharing(self.kv_sharing)
-        if not _whole(self.prefill_chunk) or self.prefill_chunk < 1:
+        if self.prefill_chunk is not None and (not _whole(self.prefill_chunk) or self.prefill_chunk < 1):
             raise UserError(f"--prefill-chunk must be at least 1, got {self.prefill_chunk!r}")
         if not isinstance(self.sampling, Sampling):
             raise TypeError(f"sampling must be a Sampling, got {type(self.sampling).__name__}")
@@ -124,6 +130,57 @@ class InferenceOptions:
         return config.total_ut_steps
 
     @property
+    def chunk(self) -> int:
+        """The prompt chunk C to run with: `prefill_chunk`, or 1 where it was left to a checkpoint that
+        `for_checkpoint` has not read (the engine called directly)."""
+        return DEFAULT_PREFILL_CHUNK if self.prefill_chunk is None else self.prefill_chunk
+
+    def for_checkpoint(self, model_dir: str | Path) -> tuple["InferenceOptions", str | None]:
+        """These options with `prefill_chunk` decided: --prefill-chunk where given, else what the checkpoint
+        in `model_dir` was trained with (`trained_prefill_chunk`); and a line saying where that default
+        came from (None where the option was given). The one place the default is chosen (run, serve)."""
+        if self.prefill_chunk is not None:
+            return self, None
+        chunk, why = checkpoint_prefill_chunk(model_dir)
+        return replace(self, prefill_chunk=chunk), f"--prefill-chunk {chunk}: {why} (pass --prefill-chunk to change it)"
+
+    @property
     def sets_model_options(self) -> bool:
         """Whether any option beyond sampling is set (they apply to looped models only)."""
-        return self.loops is not None or bool(self.kv_sharing) or self.share_prompt or self.prefill_chunk != 1
+        return (self.loops is not None or bool(self.kv_sharing) or self.share_prompt
+                or self.prefill_chunk not in (None, DEFAULT_PREFILL_CHUNK))
+
+
+def trained_prefill_chunk(recipe: dict) -> tuple[int, str] | None:
+    """The prompt chunk a MELT recipe trained with, and why (docs/method.md#prefill): the prompt whole where
+    it trained the prompt as one chunk (`prompt_as_one_chunk`, or chunk_size 0, the whole sequence) -- a chunk
+    of its seq_len, which holds any prompt it trained on, as the demo prefills -- else its chunk_size. None
+    where the recipe trains no shared KV cache (target looplm: Ouro's per-loop caches make chunks irrelevant)
+    or its values are not whole numbers >= 1."""
+    if recipe.get("target", "melt") != "melt":
+        return None
+    chunk, seq_len = recipe.get("chunk_size"), recipe.get("seq_len")
+    if recipe.get("prompt_as_one_chunk") is True or chunk == 0:
+        rule = "prompt_as_one_chunk" if recipe.get("prompt_as_one_chunk") is True else "chunk_size 0"
+        return (seq_len, f"the prompt whole, as trained ({rule}; seq_len {seq_len})") if _at_least_one(seq_len) else None
+    return (chunk, f"as trained (chunk_size {chunk})") if _at_least_one(chunk) else None
+
+
+def checkpoint_prefill_chunk(model_dir: str | Path) -> tuple[int, str]:
+    """(prompt chunk, where it comes from) for the checkpoint in `model_dir`: its training record's rule
+    (`TRAINING_META`'s recipe, `trained_prefill_chunk`), else DEFAULT_PREFILL_CHUNK, saying why."""
+    path = Path(model_dir) / TRAINING_META
+    default = f"the default ({DEFAULT_PREFILL_CHUNK}, exact MELT)"
+    if not path.is_file():
+        return DEFAULT_PREFILL_CHUNK, f"{default}: no training record ({TRAINING_META}) in {model_dir}"
+    try:
+        recipe = json.loads(path.read_text(encoding="utf-8")).get("recipe")
+    except (OSError, ValueError, AttributeError, RecursionError):
+        recipe = None
+    if not isinstance(recipe, dict):
+        return DEFAULT_PREFILL_CHUNK, f"{default}: {path} holds no readable recipe"
+    trained = trained_prefill_chunk(recipe)
+    if trained is None:
+        return DEFAULT_PREFILL_CHUNK, f"{default}: {path}'s recipe (target {recipe.get('target')!r}) sets no prompt chunk"
+    chunk, why = trained
+    return chunk, f"{why}, from {path}"

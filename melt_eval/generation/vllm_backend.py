@@ -103,7 +103,7 @@ class VllmGenerator:
         self.kv_sharing, self.loops, self.looped, self.layout = kv_sharing, loops, looped, layout
         # where the prompt's chunking matters, the plugin's config hook turns the chunk into vLLM settings
         # (exact chunks, see vllm_plugin.scheduler)
-        self.prefill_chunk = options.prefill_chunk
+        self.prefill_chunk = options.chunk
         overrides = {}
         if loops is not None:
             overrides["total_ut_steps"] = loops

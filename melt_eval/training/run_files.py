@@ -13,12 +13,12 @@ from pathlib import Path
 import yaml
 
 from melt_eval.errors import UserError
-from melt_eval.files import write_json_atomic, write_text_atomic
+from melt_eval.files import TRAINING_META, write_json_atomic, write_text_atomic
 from melt_eval.provenance import git_state, package_versions
 from melt_eval.training.checkpoints import checkpoint_dirs, remove_leftovers, resume_candidates
 from melt_eval.training.config import EXECUTION_FIELDS, Recipe, parse_yaml
 
-META_FILE = "melt_eval_training.json"
+META_FILE = TRAINING_META  # melt_eval_training.json
 # keys that may differ when resuming (they do not change what the run computes)
 RESUME_MUTABLE = {"save_every", "keep_checkpoints", "log_every", "tensorboard", "log_with"} | EXECUTION_FIELDS
 
