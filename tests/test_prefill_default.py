@@ -104,3 +104,15 @@ def test_serve_passes_the_trained_chunk_to_vllm(trained):
     cmd = serve_command(str(trained["whole"]), prefill_chunk=2, on_cpu=True, note=notes.append)
     assert json.loads(cmd[cmd.index("--hf-overrides") + 1])["melt_eval_prefill_chunk"] == 2 and len(notes) == 1
     assert "--hf-overrides" not in serve_command("tiny-random-melt", on_cpu=True)  # no record: vLLM's plugin default 1
+
+
+def test_ablation_rows_keep_one_chunk_rule(trained, tmp_path, monkeypatch):
+    """`ablate` evaluates every row with prefill chunk 1, as before this default: the rows compare training."""
+    import melt_eval.evaluation as evaluation
+    from melt_eval.experiments import ablations
+
+    seen = []
+    monkeypatch.setattr(evaluation, "run_tasks", lambda tasks, model, options, paths, **kw: seen.append(options) or [])
+    ablations._evaluate(ablations.Evaluation(str(trained["whole"]), tmp_path / "r", "full"), "synthetic", "native",
+                        False, {"samples": 1})
+    assert seen[0].prefill_chunk == 1

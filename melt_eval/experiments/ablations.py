@@ -312,6 +312,9 @@ def _evaluate(e: Evaluation, tasks: str, backend: str, progress: bool, eval_kwar
     from melt_eval.generation.options import InferenceOptions
 
     flags = {**e.options, **eval_kwargs}
+    # one chunk rule for every row (exact MELT, as before), not each checkpoint's training rule (run's default):
+    # the rows compare how models were trained, and results evaluated so far resume
+    flags.setdefault("prefill_chunk", 1)
     max_problems = flags.pop("max_problems", None)
     return run_tasks(tasks, e.model, InferenceOptions.from_flags(**flags), RunPaths(results_dir=e.results_dir, name=e.name),
                      backend=BackendSettings(kind=backend), max_problems=max_problems, progress=progress)
