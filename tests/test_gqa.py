@@ -138,3 +138,19 @@ def test_chunkwise_gradients_equal_the_reference_with_pooled_heads(looplm, batch
     recipe, step = recipe_at(alpha, C, align_beta)
     terms, _ = forward_objective(student, looplm, batch, recipe, step, **loss_counts(batch))
     assert_reference_step(terms, student, twin, looplm, batch, C, alpha, align_beta, False)
+
+
+def test_registry_and_memory_table_count_the_pooled_heads():
+    """tiny-random-melt-gqa: the registry's figures are the built checkpoint's, half of tiny-random-melt's."""
+    from melt_eval.registry import get_spec
+    from melt_eval.report.memory import kv_bytes_per_token_at, memory_row
+    from melt_eval.modeling.loading import resolve_model_dir
+
+    model, _ = load_model("tiny-random-melt-gqa")
+    spec = get_spec("tiny-random-melt-gqa")
+    assert model.config.num_key_value_heads == spec.num_kv_heads == 1
+    assert spec.kv_bytes_per_token == layout_of(model.config).bytes_per_token(2)  # bf16
+    assert 2 * memory_row("tiny-random-melt-gqa").kv_bytes_per_token == memory_row("tiny-random-melt").kv_bytes_per_token
+    # a checkpoint directory outside the registry: its config.json's num_key_value_heads
+    path = str(resolve_model_dir("tiny-random-melt-gqa"))
+    assert kv_bytes_per_token_at("my-gqa-run", path, None) == spec.kv_bytes_per_token
