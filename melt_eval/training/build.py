@@ -21,13 +21,24 @@ SHAPE_FIELDS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_at
                 "num_key_value_heads", "head_dim", "vocab_size", "total_ut_steps")
 
 
+def _pooled_from(student, teacher) -> bool:
+    """Whether the student's key/value heads can be the teacher's pooled in groups (grouped-query MELT):
+    then their k_proj/v_proj shapes differ by design and the teacher still teaches (its outputs are what KD reads)."""
+    s, t = student.config.num_key_value_heads, teacher.config.num_key_value_heads
+    return isinstance(s, int) and isinstance(t, int) and s < t and t % s == 0
+
+
 def check_teacher(student, teacher) -> None:
     """Refuse a teacher whose architecture differs from the student's (before any compute)."""
+    pooled = _pooled_from(student, teacher)
+    fields = [k for k in SHAPE_FIELDS if not (pooled and k == "num_key_value_heads")]
     bad = [f"{k}: student {getattr(student.config, k, None)} vs teacher {getattr(teacher.config, k, None)}"
-           for k in SHAPE_FIELDS if getattr(student.config, k, None) != getattr(teacher.config, k, None)]
+           for k in fields if getattr(student.config, k, None) != getattr(teacher.config, k, None)]
     t_shapes = {k: v.shape for k, v in teacher.state_dict().items()}
+    kv = ("self_attn.k_proj.weight", "self_attn.v_proj.weight")
     bad += [f"{k}: student {tuple(v.shape)} vs teacher {tuple(t_shapes[k])}"
-            for k, v in student.state_dict().items() if k in t_shapes and t_shapes[k] != v.shape][:5]
+            for k, v in student.state_dict().items()
+            if k in t_shapes and t_shapes[k] != v.shape and not (pooled and k.endswith(kv))][:5]
     if bad:
         raise UserError("the teacher does not match the student (" + "; ".join(bad) + "); pass the LoopLM the student was made from with --teacher")
 
@@ -78,12 +89,15 @@ def build_models(recipe: Recipe):
         if teacher_ref is None and recipe.needs_teacher():
             raise UserError(f"{recipe.from_model} is a MELT checkpoint with no recorded teacher; pass --teacher <the original LoopLM>")
         student = model
+        if recipe.kv_heads is not None and recipe.kv_heads != model.config.num_key_value_heads:
+            raise UserError(f"kv_heads: {recipe.kv_heads} pools a LoopLM's heads when converting it (phase 1); "
+                            f"{recipe.from_model} is a MELT checkpoint with {model.config.num_key_value_heads} key/value heads")
         if model.config.gate != recipe.gate:
             info["gate_note"] = f"continuing the checkpoint's {model.config.gate!r} gate (recipe gate {recipe.gate!r} ignored)"
     else:
         if recipe.phase == 2:
             raise UserError(f"phase 2 continues a phase-1 MELT checkpoint; {recipe.from_model} is a LoopLM (run phase 1 first)")
-        student = MeltForCausalLM.from_looplm(model, gate=recipe.gate, seed=recipe.gate_seed, ema_decay=recipe.ema_decay)
+        student = _convert(model, recipe)
         if teacher_ref is None:
             teacher_ref, teacher = recipe.from_model, model  # the frozen copy of the starting LoopLM
             info["teacher_path"] = str(from_dir)
@@ -100,6 +114,20 @@ def build_models(recipe: Recipe):
     elif model is not student:
         del model  # no KD and no alignment: the starting LoopLM is not needed any more
     return student, teacher, tokenizer, info
+
+
+def _convert(looplm, recipe: Recipe):
+    """The LoopLM as MELT with the recipe's gate, its key/value heads pooled to `kv_heads` if set."""
+    from melt_eval.modeling import MeltForCausalLM
+    from melt_eval.modeling.melt import check_kv_heads
+
+    if recipe.kv_heads is not None:
+        try:
+            check_kv_heads(looplm.config, recipe.kv_heads)
+        except ValueError as exc:
+            raise UserError(f"{exc} ({recipe.from_model})") from None
+    return MeltForCausalLM.from_looplm(looplm, gate=recipe.gate, seed=recipe.gate_seed, ema_decay=recipe.ema_decay,
+                                       kv_heads=recipe.kv_heads)
 
 
 def param_groups(model, recipe: Recipe) -> list[dict]:

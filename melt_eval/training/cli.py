@@ -24,7 +24,7 @@ def register(app: typer.Typer) -> None:
         max_steps: Optional[int] = typer.Option(None, "--max-steps", help="Optimiser steps (default: the recipe's)."),
         resume: bool = typer.Option(False, "--resume", help="Continue an interrupted run in --output at its last checkpoint (default: off)."),
         config: Optional[Path] = typer.Option(None, "--config", help="YAML file of recipe keys applied over the recipe (default: none)."),
-        set_: list[str] = typer.Option([], "--set", help="Override one recipe key: --set key=value (repeatable)."),
+        set_: list[str] = typer.Option([], "--set", help="Override one recipe key: --set key=value (repeatable), e.g. --set kv_heads=4 (grouped-query MELT: key/value heads mean-pooled into 4 groups when converting; docs/training.md)."),
         progress: bool = typer.Option(True, "--progress/--no-progress", help="Show the progress bar."),
         log_with: list[str] = typer.Option([], "--log-with", help="Experiment trackers (Accelerate): tensorboard, wandb, trackio, mlflow, ..., all or none; repeatable or comma-separated (default: the recipe's log_with: tensorboard where installed, in DIR/logs/tb)."),
         push_to_hub: bool = typer.Option(False, "--push-to-hub", help="After a finished run, upload DIR (model, tokenizer, model card) to the Hugging Face Hub (default: off; the model card README.md is written either way)."),

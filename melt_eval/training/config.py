@@ -24,7 +24,7 @@ RECIPES_DIR = Path(__file__).resolve().parents[1] / "recipes"  # package data: s
 EXECUTION_FIELDS = {"compile", "log_with"}
 # fields added after run identities were first published, with the value every earlier run had: at that
 # value a field is left out of a run's identity, so a run an older melt-eval trained is found, not retrained
-ADDED_FIELDS = {"prompt_as_one_chunk": False}
+ADDED_FIELDS = {"prompt_as_one_chunk": False, "kv_heads": None}
 TARGETS = ("melt", "looplm")
 OVERLONG = ("keep", "truncate", "drop")  # what is trained: MELT (converted or continued) or a plain LoopLM
 MIXED_PRECISION = ("auto", "bf16", "fp16", "no")
@@ -41,6 +41,9 @@ class Recipe:
     gate: str = "elementwise"  # MELT gate when converting a LoopLM (elementwise|scalar|ema|mean|last|first)
     ema_decay: float = 0.2
     gate_seed: int = 0
+    # Grouped-query MELT: mean-pool the key/value heads into K groups when converting (docs/training.md#grouped-query-melt);
+    # None keeps the LoopLM's heads. K must divide its key/value heads.
+    kv_heads: int | None = None
     teacher: str | None = None  # frozen LoopLM for KD/alignment; phase 1 default: the starting LoopLM
     # --- objective (docs/method.md#losses) ------------------------------------------------------
     chunk_size: int = 500  # C; 0 = the whole sequence (C = L, "no chunk-wise training")
@@ -150,6 +153,10 @@ class Recipe:
         if self.prompt_as_one_chunk and self.compile and self.chunk_size > 1:  # at 0 (C = L) the prompt is in the one chunk
             bad("compile pads micro-batches to whole chunks from the first token; set prompt_as_one_chunk: false "
                 "(or chunk_size: 1) to compile")
+        if self.kv_heads is not None and (isinstance(self.kv_heads, bool) or not isinstance(self.kv_heads, int) or self.kv_heads < 1):
+            bad(f"kv_heads must be a whole number >= 1 (or null), got {self.kv_heads!r}")
+        if self.kv_heads is not None and self.target != "melt":
+            bad("kv_heads converts a LoopLM to a grouped-query MELT: it applies to target melt only")
         if not self.data:
             bad("data must list at least one source (see the recipes in melt_eval/recipes/)")
         if self.target == "looplm" and (self.kd or self.align_beta or self.interpolation_steps):
@@ -280,6 +287,8 @@ def _coerce(raw: dict) -> dict:
         expected = {"list": list, "dict": dict, "str": str}.get(t)
         if expected is not None and not isinstance(value, expected):
             raise UserError(f"recipe key {key} expects a {t}, got {value!r}")
+        if t == "int | None" and value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+            raise UserError(f"recipe key {key} expects a whole number (or null), got {value!r}")
         if t == "str | None" and value is not None and not isinstance(value, str):
             raise UserError(f"recipe key {key} expects a string (or null), got {value!r}")
         out[key] = value
