@@ -486,3 +486,110 @@ def test_the_164_canonical_solutions_pass():
     for problem, other in zip(problems[:8], problems[1:9]):
         solution = other["canonical_solution"].replace(other["entry_point"], problem["entry_point"])
         assert not humaneval_check(problem, problem["prompt"] + solution).passed, problem["task_id"]
+
+
+def _descendants_pss() -> tuple[int, list]:
+    """Proportional set size (bytes) of this test process's descendants, the check's host memory, and its parts."""
+    parents = {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            parents[int(pid)] = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+    mine, total, parts = {os.getpid()}, 0, []
+    for _ in range(6):  # launcher, init, program, its children
+        mine |= {pid for pid, parent in parents.items() if parent in mine}
+    for pid in mine - {os.getpid()}:
+        try:
+            rollup = Path(f"/proc/{pid}/smaps_rollup").read_text()
+        except OSError:
+            continue
+        pss = sum(int(line.split()[1]) << 10 for line in rollup.splitlines() if line.startswith("Pss:"))
+        total += pss
+        parts.append((pid, parents[pid], pss >> 20))
+    return total, parts
+
+
+# eight children each try to hold 128 MiB (1 GiB in all) and report each 16 MiB they hold
+FORK_AND_ALLOCATE = """
+import os, sys, time
+for _ in range(8):
+    try:
+        pid = os.fork()
+    except OSError:
+        break
+    if pid == 0:
+        held = []
+        try:
+            for _ in range(8):
+                held.append(bytes([len(held) + 1]) * (16 << 20))  # written: resident, not just reserved
+                os.write(1, b"+")
+        except MemoryError:
+            pass
+        time.sleep(3)
+        os._exit(0)
+time.sleep(4)
+"""
+
+
+@pytest.mark.parametrize("bound", ["cgroup", "address_space_budget"])
+def test_a_check_stays_under_its_memory_bound(bound, monkeypatch):
+    """Processes that fork and allocate hold at most the check's bound in host memory, together; memfds, SysV
+    shared memory and open files past the limit are refused."""
+    from melt_eval.evaluation import sandbox
+
+    if bound == "cgroup" and sandbox._memory_cgroup_parent() is None:
+        pytest.skip("no memory cgroup the harness can make here")
+    if bound != "cgroup":
+        monkeypatch.setattr(sandbox, "_new_cgroup", lambda memory_bytes: None)
+    limits = SandboxLimits(timeout_s=20, memory_bytes=384 << 20, max_processes=6)
+    import threading
+
+    out, peak, done = {}, [0, []], threading.Event()
+
+    def watch():
+        while not done.is_set():
+            peak[:] = max(peak, list(_descendants_pss()))
+            time.sleep(0.02)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        out["r"] = run_python(FORK_AND_ALLOCATE, limits)
+    finally:
+        done.set()
+        watcher.join()
+    result = out["r"]
+    assert result.layers["memory_bound"] == bound
+    held = result.stdout.count("+") * (16 << 20)
+    assert held >= (128 << 20), result  # the program did fill memory
+    assert peak[0] <= limits.memory_bytes + (16 << 20), (peak[0] >> 20, peak[1], result)  # slack: one step in flight
+    for attempt in ("os.memfd_create('x')", "__import__('ctypes').CDLL(None).shmget(0, 1 << 20, 0o1600) >= 0 or 1/0",
+                    "[os.open('/dev/null', 0) for _ in range(100)]"):
+        assert not run_python(f"import os\n{attempt}").passed, attempt
+
+
+def test_a_killed_harness_leaves_no_temp_directory_or_cgroup():
+    """kill -9 of the harness mid-check runs no cleanup: the next check removes what it left."""
+    from melt_eval.evaluation import sandbox
+
+    harness = os.fork()
+    if harness == 0:
+        try:
+            run_python("import time\ntime.sleep(60)", SandboxLimits(timeout_s=60))
+        finally:
+            os._exit(0)
+    tmp = Path(tempfile.gettempdir())
+    left = f"{sandbox.TEMP_PREFIX}{harness}-"
+    deadline = time.monotonic() + 30
+    while not any(n.startswith(left) for n in os.listdir(tmp)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(1.0)  # the check is running
+    os.kill(harness, 9)
+    os.waitpid(harness, 0)
+    cgroups = sandbox._memory_cgroup_parent()
+    assert any(n.startswith(left) for n in os.listdir(tmp))
+    assert run_python("pass").passed  # the next start cleans up
+    assert not any(n.startswith(left) for n in os.listdir(tmp))
+    if cgroups is not None:
+        assert not list(cgroups.glob(f"{sandbox.CGROUP_PREFIX}{harness}-*"))

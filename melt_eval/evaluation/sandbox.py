@@ -14,10 +14,18 @@ Per check (the child side is `sandbox_launcher.py`):
   capability left), dies with the launcher, reaps and keeps the wall-clock deadline. When it exits the
   kernel kills everything left in the namespace, so nothing the program started (setsid or not)
   outlives the check;
-* the program's process takes the rlimits (CPU, address space, processes (counted per user namespace),
+* the program's process takes the rlimits (CPU, address space, processes (counted per user namespace), open files,
   file size, no core) and execs Python, whose first code (`_RUNNER`) installs a seccomp filter refusing
   execve, socket of every family, namespace-making clone/unshare/setns, mount, ptrace, prctl, bpf,
   io_uring and the like, then runs the program.
+
+Memory is bounded per check as a whole: the harness makes a memory cgroup for each check where it can (v1
+`memory`, or v2 with memory delegated) and moves the launcher into it before anything forks, so all the
+check's processes, its tmpfs pages and pipes count together. Where it cannot, the address-space limit is the
+check's budget divided by `max_processes` (RLIMIT_NPROC counts them). Memory no address-space limit sees is
+refused (memfd_create, memfd_secret and SysV shmget by seccomp, POSIX message queues by RLIMIT_MSGQUEUE), and
+RLIMIT_NOFILE bounds open files and so pipe buffers. Temp directories and cgroups carry the harness's pid; a
+check removes those whose harness is dead (kill -9 runs no cleanup).
 
 `run_python` passes a program that ran to its end: the runner then writes a token the harness drew at random
 for this check to a pipe (the token comes on stdin, read and closed before the program starts, so
@@ -60,8 +68,9 @@ class SandboxUnavailable(UserError):
 class SandboxLimits:
     timeout_s: float = 10.0  # wall clock
     cpu_s: int = 10
-    memory_bytes: int = 1 << 30  # address space
+    memory_bytes: int = 1 << 30  # the whole check: a memory cgroup, else an address-space budget (see _run)
     max_processes: int = 16  # threads included, counted in the sandbox's own user namespace
+    max_open_files: int = 64  # per process (RLIMIT_NOFILE): bounds pipe buffers too
     max_file_bytes: int = 1 << 20  # largest file the program may write (stdout included)
     output_bytes: int = 4096  # how much of stdout/stderr is read back
 
@@ -168,7 +177,10 @@ def _run(program: str, limits: SandboxLimits, serve: tuple[str, str] | None) -> 
     strict = not _unsafe
     python, prefix = _interpreter()
     token = secrets.token_hex(16).encode()
-    workdir = Path(tempfile.mkdtemp(prefix="melt-eval-sandbox-"))
+    _clean_stale()
+    # the harness's pid in the names: what a harness killed with -9 left is removed by the next check
+    workdir = Path(tempfile.mkdtemp(prefix=f"{TEMP_PREFIX}{os.getpid()}-"))
+    cgroup = _new_cgroup(limits.memory_bytes)
     pipes: list[int] = []
     checker = None
 
@@ -231,7 +243,7 @@ def _run(program: str, limits: SandboxLimits, serve: tuple[str, str] | None) -> 
             close(calls_w, result_r, verdict_w)  # the program sees EOF on its calls once the checker is done
         close(token_r)
         try:
-            messages, timed_out = _talk(proc, status_r, go_w, limits.timeout_s + 10.0)
+            messages, timed_out = _talk(proc, status_r, go_w, limits.timeout_s + 10.0, cgroup)
             if checker is not None:
                 try:  # the program is gone, so every call the checker makes fails at once
                     checker.wait(max(0.5, start + limits.timeout_s - time.monotonic()))
@@ -285,6 +297,123 @@ def _run(program: str, limits: SandboxLimits, serve: tuple[str, str] | None) -> 
         for fd in pipes:
             os.close(fd)
         shutil.rmtree(workdir, ignore_errors=True)
+        if cgroup is not None:
+            _remove_cgroup(cgroup)
+
+
+TEMP_PREFIX = "melt-eval-sandbox-"
+CGROUP_PREFIX = "melt-eval-check-"
+
+
+def _dead(name: str, prefix: str) -> bool:
+    """Whether the harness whose pid follows `prefix` in `name` is gone (its leftovers are ours to remove)."""
+    pid = name[len(prefix):].split("-", 1)[0]
+    if not pid.isdigit():
+        return False
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    return False
+
+
+def _clean_stale() -> None:
+    """Remove the temp directories and cgroups of harnesses that died mid-check (kill -9 runs no `finally`)."""
+    try:
+        names = os.listdir(tempfile.gettempdir())
+    except OSError:
+        names = []
+    for name in names:
+        if name.startswith(TEMP_PREFIX) and _dead(name, TEMP_PREFIX):
+            shutil.rmtree(Path(tempfile.gettempdir()) / name, ignore_errors=True)
+    parent = _memory_cgroup_parent()
+    if parent is not None:
+        for child in parent.glob(CGROUP_PREFIX + "*"):
+            if _dead(child.name, CGROUP_PREFIX):
+                _remove_cgroup(child)
+
+
+def _memory_cgroup_parent() -> Path | None:
+    """This process's cgroup in a hierarchy with the memory controller (v1 `memory`, or v2 with memory enabled
+    for children), where the harness may make a child; None where there is none or it is not writable."""
+    try:
+        mounts = Path("/proc/self/mountinfo").read_text().splitlines()
+        groups = Path("/proc/self/cgroup").read_text().splitlines()
+    except OSError:
+        return None
+    for line in mounts:
+        fields, _, rest = line.partition(" - ")
+        parts, (fstype, _, options) = fields.split(), (rest.split() + ["", "", ""])[:3]
+        root, mount = parts[3], parts[4]
+        for group in groups:
+            _, controllers, path = group.split(":", 2)
+            v1 = fstype == "cgroup" and "memory" in options.split(",") and "memory" in controllers.split(",")
+            v2 = fstype == "cgroup2" and controllers == ""
+            if not (v1 or v2) or not (path + "/").startswith(root.rstrip("/") + "/"):
+                continue
+            where = Path(mount) / path[len(root.rstrip("/")):].lstrip("/")
+            if v2:
+                try:
+                    if "memory" not in (where / "cgroup.subtree_control").read_text().split():
+                        continue
+                except OSError:
+                    continue
+            if os.access(where, os.W_OK):
+                return where
+    return None
+
+
+def _new_cgroup(memory_bytes: int) -> Path | None:
+    """A memory cgroup for one check, bounding all its processes together (page cache, tmpfs and pipes
+    included); None where the harness cannot make one (then the budget is split by address space)."""
+    parent = _memory_cgroup_parent()
+    if parent is None:
+        return None
+    group = parent / f"{CGROUP_PREFIX}{os.getpid()}-{secrets.token_hex(4)}"
+    try:
+        group.mkdir()
+    except OSError:
+        return None
+    try:
+        if (group / "memory.limit_in_bytes").exists():  # v1
+            (group / "memory.limit_in_bytes").write_text(str(memory_bytes))
+            for swap in ("memory.memsw.limit_in_bytes",):  # no swapping around the bound, where swap accounting is on
+                try:
+                    (group / swap).write_text(str(memory_bytes))
+                except OSError:
+                    pass
+        else:  # v2
+            (group / "memory.max").write_text(str(memory_bytes))
+            try:
+                (group / "memory.swap.max").write_text("0")
+            except OSError:
+                pass
+    except OSError:
+        _remove_cgroup(group)
+        return None
+    return group
+
+
+def _join(group: Path, pid: int) -> bool:
+    try:
+        (group / "cgroup.procs").write_text(str(pid))
+        return True
+    except OSError:
+        return False
+
+
+def _remove_cgroup(group: Path) -> None:
+    """rmdir once its processes are gone (the kernel frees the last ones a moment after they are reaped)."""
+    for _ in range(50):
+        try:
+            group.rmdir()
+            return
+        except FileNotFoundError:
+            return
+        except OSError:
+            time.sleep(0.01)
 
 
 def _filter_hex(strict: bool) -> str:
@@ -296,8 +425,10 @@ def _filter_hex(strict: bool) -> str:
         return ""
 
 
-def _talk(proc: subprocess.Popen, status_r: int, go_w: int, timeout: float) -> tuple[list[dict], bool]:
-    """Read the launcher's status lines until it exits; map its user namespace when it asks."""
+def _talk(proc: subprocess.Popen, status_r: int, go_w: int, timeout: float,
+          cgroup: Path | None = None) -> tuple[list[dict], bool]:
+    """Read the launcher's status lines until it exits; when it asks, map its user namespace and move it into
+    the check's memory cgroup (before it forks: the init and the program inherit it)."""
     import select
 
     deadline = time.monotonic() + timeout
@@ -323,7 +454,7 @@ def _talk(proc: subprocess.Popen, status_r: int, go_w: int, timeout: float) -> t
                         _write_id_maps(proc.pid)
                     except OSError as e:
                         raise _refusal("user_namespace", f"mapping its ids: {e}") from None
-                os.write(go_w, b"g")
+                os.write(go_w, b"g" if cgroup is not None and _join(cgroup, proc.pid) else b"b")
 
 
 def describe() -> dict:

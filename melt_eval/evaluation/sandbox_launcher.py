@@ -53,7 +53,8 @@ SYSCALLS = {
         pidfd_getfd=438, open_by_handle_at=304, name_to_handle_at=303, kexec_load=246, kexec_file_load=320,
         init_module=175, finit_module=313, delete_module=176, fsopen=430, fsconfig=431, fsmount=432, move_mount=429,
         open_tree=428, fspick=433, mount_setattr=442, personality=135, acct=163, swapon=167, swapoff=168, reboot=169,
-        quotactl=179, sethostname=170, setdomainname=171, syslog=103),
+        quotactl=179, sethostname=170, setdomainname=171, syslog=103, memfd_create=319, memfd_secret=447,
+        shmget=29),
     "aarch64": dict(
         audit_arch=0xC00000B7, clone=220, clone3=435, execve=221, execveat=281, socket=198, socketpair=199, unshare=97,
         setns=268, mount=40, umount2=39, pivot_root=41, chroot=51, ptrace=117, prctl=167, seccomp=277, bpf=280,
@@ -62,7 +63,8 @@ SYSCALLS = {
         pidfd_getfd=438, open_by_handle_at=265, name_to_handle_at=264, kexec_load=104, kexec_file_load=294,
         init_module=105, finit_module=273, delete_module=106, fsopen=430, fsconfig=431, fsmount=432, move_mount=429,
         open_tree=428, fspick=433, mount_setattr=442, personality=92, acct=89, swapon=224, swapoff=225, reboot=142,
-        quotactl=60, sethostname=161, setdomainname=162, syslog=116),
+        quotactl=60, sethostname=161, setdomainname=162, syslog=116, memfd_create=279, memfd_secret=447,
+        shmget=194),
 }
 SECCOMP_RET_KILL_PROCESS, SECCOMP_RET_ALLOW, SECCOMP_RET_ERRNO = 0x80000000, 0x7FFF0000, 0x00050000
 EPERM, ENOSYS = 1, 38
@@ -74,7 +76,8 @@ def seccomp_filter(machine: str | None = None) -> bytes:
     """A classic-BPF seccomp program (struct sock_filter[]) for this machine's architecture.
 
     Denies (EPERM) every syscall that starts a program, opens a socket, makes or enters a namespace, mounts,
-    traces or reaches other processes, or changes the process's own guards (prctl: PR_SET_PDEATHSIG);
+    traces or reaches other processes, changes the process's own guards (prctl: PR_SET_PDEATHSIG), or makes
+    memory no address-space limit counts (memfd_create, memfd_secret, SysV shmget);
     clone3 gets ENOSYS, so glibc falls back to clone, whose flags a filter can read: plain fork and threads
     pass, clone with any CLONE_NEW* flag is denied. Another architecture or the x32 ABI kills the process.
     """
@@ -316,8 +319,13 @@ def _launch(config: dict) -> None:
             if libc.unshare(base | sum(NAMESPACE_FLAGS[n] for n in granted)) == 0:
                 layers.update({n: True for n in granted}, user_namespace=bool(base))
     report(stage="unshared", layers=layers)
-    if os.read(go, 1) != b"g":  # the harness writes our id maps first
+    # the harness writes our id maps and, where it could, puts us in the check's memory cgroup: "g" then;
+    # "b" when there is none, and the check's memory is an address-space budget shared by its processes
+    bound = os.read(go, 1)
+    if bound not in (b"g", b"b"):
         os._exit(1)
+    layers["memory_bound"] = "cgroup" if bound == b"g" else "address_space_budget"
+    space = limits["memory_bytes"] if bound == b"g" else limits["memory_bytes"] // max(1, limits["max_processes"])
     # the harness killed (kill -9, Ctrl-C): the launcher dies, then the init (its own parent-death signal)
     _die_with_parent(libc, config["harness_pid"])
     # 2. the new root
@@ -353,7 +361,9 @@ def _launch(config: dict) -> None:
                 os.setsid()  # no controlling terminal
                 cpu = max(1, int(limits["cpu_s"]))
                 for res, value in ((resource.RLIMIT_CPU, (cpu, cpu + 1)),
-                                   (resource.RLIMIT_AS, (limits["memory_bytes"],) * 2),
+                                   (resource.RLIMIT_AS, (space,) * 2),
+                                   (resource.RLIMIT_NOFILE, (limits["max_open_files"],) * 2),
+                                   (resource.RLIMIT_MSGQUEUE, (0, 0)),
                                    (resource.RLIMIT_FSIZE, (limits["max_file_bytes"],) * 2),
                                    (resource.RLIMIT_CORE, (0, 0)),
                                    (resource.RLIMIT_NPROC, (limits["max_processes"],) * 2)):
