@@ -16,6 +16,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import shutil
+
 import pytest
 
 from melt_eval.evaluation import score_completions
@@ -74,7 +76,7 @@ def sandbox_processes() -> set[int]:
             cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
         except OSError:
             continue
-        if b"_melt_eval_runner" in cmdline or b"evaluation/sandbox_launcher.py" in cmdline:
+        if b"_melt_eval_runner" in cmdline or b"evaluation/sandbox_launcher.py" in cmdline:  # bwrap's too
             found.add(int(pid))
     return found
 
@@ -149,6 +151,18 @@ ESCAPES = {
 }
 
 
+@pytest.fixture(params=["launcher", "bwrap"])
+def backend(request):
+    """The same attempts on both ways of building the sandbox: bubblewrap and the ctypes launcher (its fallback)."""
+    from melt_eval.evaluation import sandbox
+
+    if request.param == "bwrap" and not shutil.which("bwrap"):
+        pytest.skip("bubblewrap (bwrap) is not installed: scripts/setup.sh installs it where apt allows")
+    sandbox.use_backend(request.param)
+    yield request.param
+    sandbox.use_backend(None)
+
+
 def fill(attempt: str, host: dict) -> str:
     """The attempt aimed at this test's host paths."""
     for key in ("sock", "secret", "results"):
@@ -193,7 +207,7 @@ def test_every_layer_is_active_here():
     assert layers["unsafe_local_exec"] is False
 
 
-def test_escape_attempts_are_stopped_by_the_kernel(host):
+def test_escape_attempts_are_stopped_by_the_kernel(host, backend):
     """Each escape from the issue, run directly: nothing gets out, nothing reaches the host, nothing survives."""
     before = sandbox_processes()
     for name, attempt in ESCAPES.items():
@@ -201,12 +215,13 @@ def test_escape_attempts_are_stopped_by_the_kernel(host):
         assert "ESCAPED" not in out.stdout, (name, out)  # (a traceback on stderr quotes the attempt)
         assert not out.passed, (name, out)
         assert out.layers["seccomp"] and out.layers["pid_namespace"], name
+        assert out.layers["backend"] == backend
     with pytest.raises(BlockingIOError):
         host["listener"].accept()  # no program ever connected
     assert_nothing_left(before)
 
 
-def test_the_namespace_dies_with_the_check():
+def test_the_namespace_dies_with_the_check(backend):
     """A child that leaves the session and outlives the program is killed with the PID namespace."""
     before = sandbox_processes()
     out = run_python("import os, time\nif os.fork() == 0:\n    os.setsid()\n    time.sleep(900)\n"
@@ -220,7 +235,7 @@ def test_the_namespace_dies_with_the_check():
     assert_nothing_left(before)
 
 
-def test_killing_the_harness_kills_the_check():
+def test_killing_the_harness_kills_the_check(backend):
     """kill -9 of the harness mid-check: the launcher, the init and all the program started die with it."""
     before = sandbox_processes()
     harness = os.fork()
@@ -238,7 +253,7 @@ def test_killing_the_harness_kills_the_check():
     assert_nothing_left(before)
 
 
-def test_hostile_completions_score_as_failures(tmp_path, host):
+def test_hostile_completions_score_as_failures(tmp_path, host, backend):
     """Through `score`: only completed checks pass; early exits, kills, timeouts, forged tokens and escapes fail."""
     canary = tmp_path / "canary.txt"
     canary.write_text("still here")
@@ -284,7 +299,7 @@ def test_hostile_completions_score_as_failures(tmp_path, host):
     assert_nothing_left(before)
 
 
-def test_sandbox_limits_and_output_cap():
+def test_sandbox_limits_and_output_cap(backend):
     out = run_python("print('x' * 10_000_000)", SandboxLimits(timeout_s=10, output_bytes=100))
     assert len(out.stdout) <= 100 and not out.passed  # the file-size limit stopped the program
     ok = run_python("print(2 + 2)")
@@ -296,7 +311,7 @@ def test_sandbox_limits_and_output_cap():
     assert bomb.passed and 0 < int(bomb.stdout) < SandboxLimits().max_processes
 
 
-def test_the_standard_library_humaneval_uses_works():
+def test_the_standard_library_humaneval_uses_works(backend):
     """The new root exposes what Python needs: C extensions and their libraries (hashlib's libcrypto), threads."""
     md5 = {  # HumanEval/162, the one problem that needs OpenSSL
         "prompt": "\ndef string_to_md5(text):\n    \"\"\"Return the md5 hex digest of text, None if empty.\"\"\"\n",
@@ -312,7 +327,7 @@ def test_the_standard_library_humaneval_uses_works():
     assert ok.passed and ok.stdout.split() == ["True", "LATIN", "SMALL", "LETTER", "A"], ok.stderr
 
 
-def test_writes_stay_inside_the_sandbox(tmp_path):
+def test_writes_stay_inside_the_sandbox(tmp_path, backend):
     """/tmp is the program's own 16 MiB tmpfs: files never reach the host, many capped files cannot fill the disk."""
     marker = f"melt-eval-test-{tmp_path.name}"
     wrote = run_python(f"open('/tmp/{marker}', 'w').write('x')\nprint(open('/tmp/{marker}').read())")
@@ -330,6 +345,13 @@ def _deny_syscalls(numbers: list[int]):
             struct.pack("=HBBI", 0x06, 0, 0, 0x7FFF0000), struct.pack("=HBBI", 0x20, 0, 0, 0)]
     for nr in numbers:
         prog += [struct.pack("=HBBI", 0x15, 0, 1, nr), struct.pack("=HBBI", 0x06, 0, 0, 0x00050001)]
+    if SYSCALLS[machine]["unshare"] in numbers:  # no namespaces at all: clone with CLONE_NEW* flags too (bwrap)
+        from melt_eval.evaluation.sandbox_launcher import NEW_NAMESPACE_FLAGS
+
+        prog += [struct.pack("=HBBI", 0x15, 0, 1, SYSCALLS[machine]["clone3"]),
+                 struct.pack("=HBBI", 0x06, 0, 0, 0x00050026),  # ENOSYS: back to clone, whose flags we see
+                 struct.pack("=HBBI", 0x15, 0, 3, SYSCALLS[machine]["clone"]), struct.pack("=HBBI", 0x20, 0, 0, 16),
+                 struct.pack("=HBBI", 0x45, 0, 1, NEW_NAMESPACE_FLAGS), struct.pack("=HBBI", 0x06, 0, 0, 0x00050001)]
     prog.append(struct.pack("=HBBI", 0x06, 0, 0, 0x7FFF0000))
     program_bytes = b"".join(prog)
 
@@ -439,7 +461,7 @@ def test_run_on_humaneval_records_the_sandbox(tmp_path):
     assert detail["id"] == "HumanEval/0" and len(detail["completions"]) == 1
 
 
-def test_forged_passes_are_live_attacks():
+def test_forged_passes_are_live_attacks(backend):
     """The fixtures are real: in one process with the tests (OpenAI's way, `run_python(program(...))`), each
     passes although its `add` is wrong. Scored (`humaneval_check`), each fails: the checker holds the token."""
     for name, code in FORGERIES.items():
@@ -489,7 +511,8 @@ def test_the_164_canonical_solutions_pass():
 
 
 def _descendants_pss() -> tuple[int, list]:
-    """Proportional set size (bytes) of this test process's descendants, the check's host memory, and its parts."""
+    """Proportional set size (bytes) of this test's sandbox processes (its descendants that run the launcher,
+    bwrap or the runner; not a fork that has yet to exec), the check's host memory, and its parts."""
     parents = {}
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
@@ -499,7 +522,7 @@ def _descendants_pss() -> tuple[int, list]:
     mine, total, parts = {os.getpid()}, 0, []
     for _ in range(6):  # launcher, init, program, its children
         mine |= {pid for pid, parent in parents.items() if parent in mine}
-    for pid in mine - {os.getpid()}:
+    for pid in (mine - {os.getpid()}) & sandbox_processes():
         try:
             rollup = Path(f"/proc/{pid}/smaps_rollup").read_text()
         except OSError:
@@ -533,7 +556,7 @@ time.sleep(4)
 
 
 @pytest.mark.parametrize("bound", ["cgroup", "address_space_budget"])
-def test_a_check_stays_under_its_memory_bound(bound, monkeypatch):
+def test_a_check_stays_under_its_memory_bound(bound, monkeypatch, backend):
     """Processes that fork and allocate hold at most the check's bound in host memory, together; memfds, SysV
     shared memory and open files past the limit are refused."""
     from melt_eval.evaluation import sandbox
@@ -562,14 +585,14 @@ def test_a_check_stays_under_its_memory_bound(bound, monkeypatch):
     result = out["r"]
     assert result.layers["memory_bound"] == bound
     held = result.stdout.count("+") * (16 << 20)
-    assert held >= (128 << 20), result  # the program did fill memory
+    assert held >= (64 << 20), result  # the program did fill memory (it tries to hold 1 GiB)
     assert peak[0] <= limits.memory_bytes + (16 << 20), (peak[0] >> 20, peak[1], result)  # slack: one step in flight
     for attempt in ("os.memfd_create('x')", "__import__('ctypes').CDLL(None).shmget(0, 1 << 20, 0o1600) >= 0 or 1/0",
                     "[os.open('/dev/null', 0) for _ in range(100)]"):
         assert not run_python(f"import os\n{attempt}").passed, attempt
 
 
-def test_a_killed_harness_leaves_no_temp_directory_or_cgroup():
+def test_a_killed_harness_leaves_no_temp_directory_or_cgroup(backend):
     """kill -9 of the harness mid-check runs no cleanup: the next check removes what it left."""
     from melt_eval.evaluation import sandbox
 

@@ -158,22 +158,46 @@ def _refusal(layer: str, why: str) -> SandboxUnavailable:
         "model-written code without it")
 
 
+_backend: str | None = None  # "bwrap" | "launcher", chosen once per process (see backend())
+
+
+def use_backend(name: str | None) -> None:
+    """Pin the backend ("bwrap" or "launcher"), or None to choose again (tests run the escapes on both)."""
+    global _backend
+    _backend = name
+
+
+def backend() -> str:
+    """bubblewrap where `bwrap` is installed and runs a check here; else the ctypes launcher."""
+    global _backend
+    if _backend is None:
+        _backend = "launcher"
+        if shutil.which("bwrap"):
+            try:
+                probe = _run("pass", SandboxLimits(timeout_s=10), None, "bwrap")
+                if probe.passed and probe.layers.get("seccomp"):
+                    _backend = "bwrap"
+            except UserError:
+                pass
+    return _backend
+
+
 def run_python(program: str, limits: SandboxLimits | None = None) -> SandboxResult:
     """Run `program` (Python source) in the sandbox; passed when it ran to its end. Never raises for what the
     program does. Raises SandboxUnavailable when a layer is refused and unsafe local execution was not allowed.
 
     Not for scoring untrusted code against tests (the token sits in the runner's frame): that is `run_check`."""
-    return _run(program, limits or SandboxLimits(), None)
+    return _run(program, limits or SandboxLimits(), None, backend())
 
 
 def run_check(code: str, check_source: str, entry_point: str, limits: SandboxLimits | None = None) -> SandboxResult:
     """HumanEval's check: `code` (the completion) runs in the sandbox; `check_source` (the problem's trusted code,
     defining `check`) runs in a separate trusted checker process that calls `check(candidate)`, each call of
     `candidate` crossing to the sandbox and back as data. Passed only when `check` returned."""
-    return _run(code, limits or SandboxLimits(), (check_source, entry_point))
+    return _run(code, limits or SandboxLimits(), (check_source, entry_point), backend())
 
 
-def _run(program: str, limits: SandboxLimits, serve: tuple[str, str] | None) -> SandboxResult:
+def _run(program: str, limits: SandboxLimits, serve: tuple[str, str] | None, how: str) -> SandboxResult:
     strict = not _unsafe
     python, prefix = _interpreter()
     token = secrets.token_hex(16).encode()
@@ -215,6 +239,11 @@ def _run(program: str, limits: SandboxLimits, serve: tuple[str, str] | None) -> 
             "uid": NOBODY if os.geteuid() == 0 else os.geteuid(), "gid": NOBODY if os.geteuid() == 0 else os.getegid(),
             "limits": limits.__dict__, "bpf": _filter_hex(strict),
         }
+        if how == "bwrap":
+            bwrap_python = _host_interpreter()  # bwrap runs as `nobody`: a python it can reach
+            config.update(bwrap=shutil.which("bwrap"), bwrap_python=bwrap_python,
+                          bwrap_prefix=str(Path(bwrap_python).parents[1]),
+                          bwrap_bpf=seccomp_filter(allow=sandbox_launcher.BWRAP_ALLOWS).hex())
         launcher_fds = [result_w, status_w, go_r]
         if serve is not None:
             calls_r, calls_w = pipe()
@@ -227,7 +256,8 @@ def _run(program: str, limits: SandboxLimits, serve: tuple[str, str] | None) -> 
         start = time.monotonic()
         with open(workdir / "stdout", "wb") as out, open(workdir / "stderr", "wb") as err:
             proc = subprocess.Popen(
-                [sys.executable, "-I", "-S", "-B", sandbox_launcher.__file__, json.dumps(config)],
+                [sys.executable, "-I", "-S", "-B", sandbox_launcher.__file__, *(["--bwrap"] if how == "bwrap" else []),
+                 json.dumps(config)],
                 stdin=subprocess.DEVNULL if serve else token_r, stdout=out, stderr=err, pass_fds=launcher_fds,
                 close_fds=True, start_new_session=True, cwd="/",
             )
@@ -244,6 +274,13 @@ def _run(program: str, limits: SandboxLimits, serve: tuple[str, str] | None) -> 
         close(token_r)
         try:
             messages, timed_out = _talk(proc, status_r, go_w, limits.timeout_s + 10.0, cgroup)
+            if how == "bwrap" and not timed_out:  # the status pipe closed at exec: bwrap's exit is the program's
+                try:
+                    rc = proc.wait(max(0.0, start + limits.timeout_s - time.monotonic()))
+                    messages.append({"status": "exited", "returncode": -(rc - 128) if rc > 128 else rc,
+                                     "python": config["bwrap_python"]})
+                except subprocess.TimeoutExpired:
+                    timed_out = True
             if checker is not None:
                 try:  # the program is gone, so every call the checker makes fails at once
                     checker.wait(max(0.5, start + limits.timeout_s - time.monotonic()))
@@ -266,6 +303,9 @@ def _run(program: str, limits: SandboxLimits, serve: tuple[str, str] | None) -> 
         seccomp_line, _, emitted = results.partition(b"\n")
         layers["seccomp"] = seccomp_line == b"seccomp"
         layers["unsafe_local_exec"] = not strict
+        layers["backend"] = how
+        if how == "bwrap" and seccomp_line != b"seccomp" and _read_head(workdir / "stderr", 6) == "bwrap:":
+            return _run(program, limits, serve, "launcher")  # bwrap could not set up here: the launcher names why
         refused = next((m for m in messages if "refused" in m), None)
         if refused is not None:
             raise _refusal(refused["refused"], refused["why"])
@@ -449,7 +489,7 @@ def _talk(proc: subprocess.Popen, status_r: int, go_w: int, timeout: float,
             msg = json.loads(line)
             messages.append(msg)
             if msg.get("stage") == "unshared":
-                if msg["layers"].get("user_namespace"):
+                if msg["layers"].get("user_namespace") and not msg.get("mapped"):
                     try:
                         _write_id_maps(proc.pid)
                     except OSError as e:

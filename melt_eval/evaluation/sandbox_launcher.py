@@ -72,7 +72,7 @@ X32_SYSCALL_BIT = 0x40000000
 BPF_LD_W_ABS, BPF_JEQ, BPF_JGE, BPF_JSET, BPF_RET = 0x20, 0x15, 0x35, 0x45, 0x06
 
 
-def seccomp_filter(machine: str | None = None) -> bytes:
+def seccomp_filter(machine: str | None = None, allow: tuple[str, ...] = ()) -> bytes:
     """A classic-BPF seccomp program (struct sock_filter[]) for this machine's architecture.
 
     Denies (EPERM) every syscall that starts a program, opens a socket, makes or enters a namespace, mounts,
@@ -80,6 +80,8 @@ def seccomp_filter(machine: str | None = None) -> bytes:
     memory no address-space limit counts (memfd_create, memfd_secret, SysV shmget);
     clone3 gets ENOSYS, so glibc falls back to clone, whose flags a filter can read: plain fork and threads
     pass, clone with any CLONE_NEW* flag is denied. Another architecture or the x32 ABI kills the process.
+    `allow` leaves syscalls out: bubblewrap installs its filter before it execs Python, whose runner then
+    installs the whole filter (exec, prctl and seccomp denied from then on).
     """
     machine = machine or os.uname().machine
     if machine not in SYSCALLS:
@@ -95,7 +97,7 @@ def seccomp_filter(machine: str | None = None) -> bytes:
     if machine == "x86_64":
         prog += [op(BPF_JGE, X32_SYSCALL_BIT, 0, 1), op(BPF_RET, SECCOMP_RET_KILL_PROCESS)]
     for name, number in nr.items():
-        if name not in ("audit_arch", "clone", "clone3"):
+        if name not in ("audit_arch", "clone", "clone3", *allow):
             prog += [op(BPF_JEQ, number, 0, 1), op(BPF_RET, deny)]
     prog += [op(BPF_JEQ, nr["clone3"], 0, 1), op(BPF_RET, SECCOMP_RET_ERRNO | ENOSYS)]
     # clone: its flags are the first argument on both architectures (low 32 bits at offset 16)
@@ -396,6 +398,69 @@ def _launch(config: dict) -> None:
         report(status="timeout", returncode=rc, layers=layers)
 
 
+BWRAP_ALLOWS = ("execve", "execveat", "prctl", "seccomp")  # until the runner's own filter
+
+
+def _bwrap(config: dict) -> None:
+    """Runs as `python -I -S sandbox_launcher.py --bwrap CONFIG`: the same containment through bubblewrap.
+
+    Waits for the harness (which moves this process into the check's memory cgroup), takes the rlimits,
+    becomes `nobody` when the harness is root (bwrap then makes an unprivileged user namespace), puts the
+    program's pipes on fds 3 and 4 and execs bwrap: all namespaces, a read-only root of the same system paths,
+    /sandbox, a 16 MiB /tmp, the same devices, no /proc, dies with the harness, and the seccomp filter passed
+    in (`--seccomp`). bwrap's exit status is the program's (128 + signal when killed)."""
+    def high(fd):  # out of the way of 3-5, close-on-exec: only what is put on 3-5 reaches bwrap
+        new = fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 10)
+        os.close(fd)
+        return new
+
+    status, go, result = high(config["status_fd"]), high(config["go_fd"]), high(config["result_fd"])
+    calls = high(config["calls_fd"]) if config.get("calls_fd") is not None else None
+    limits = config["limits"]
+    layers = {name: True for name in LAYERS}
+    layers["seccomp"] = False  # the runner says
+    os.write(status, (json.dumps({"stage": "unshared", "layers": layers, "mapped": True}) + "\n").encode())
+    bound = os.read(go, 1)
+    if bound not in (b"g", b"b"):
+        os._exit(1)
+    space = limits["memory_bytes"] if bound == b"g" else limits["memory_bytes"] // max(1, limits["max_processes"])
+    layers["memory_bound"] = "cgroup" if bound == b"g" else "address_space_budget"
+    os.write(status, (json.dumps({"stage": "bwrap", "layers": layers}) + "\n").encode())
+    cpu = max(1, int(limits["cpu_s"]))
+    for res, value in ((resource.RLIMIT_CPU, (cpu, cpu + 1)), (resource.RLIMIT_AS, (space,) * 2),
+                       (resource.RLIMIT_NOFILE, (limits["max_open_files"],) * 2), (resource.RLIMIT_MSGQUEUE, (0, 0)),
+                       (resource.RLIMIT_FSIZE, (limits["max_file_bytes"],) * 2), (resource.RLIMIT_CORE, (0, 0)),
+                       (resource.RLIMIT_NPROC, (limits["max_processes"],) * 2)):
+        resource.setrlimit(res, value)
+    filter_r, filter_w = (high(fd) for fd in os.pipe())
+    os.write(filter_w, bytes.fromhex(config["bwrap_bpf"]))  # a few hundred bytes: fits the pipe
+    os.close(filter_w)
+    os.dup2(result, 3)
+    if calls is not None:
+        os.dup2(calls, 4)
+    os.dup2(filter_r, 5)
+    _become(ctypes.CDLL(None, use_errno=True), config["uid"], config["gid"])
+    args = [config["bwrap"], "--unshare-all", "--die-with-parent", "--new-session"]
+    prefix = config["bwrap_prefix"]
+    paths = [p for p in SYSTEM_PATHS if os.path.lexists(p)]
+    for path in paths:
+        args += ["--symlink", os.readlink(path), path] if os.path.islink(path) else ["--ro-bind", path, path]
+    if not any(prefix == p or prefix.startswith(p + "/") for p in paths):
+        args += ["--ro-bind", prefix, prefix]
+    args += ["--ro-bind", config["box"], "/sandbox"]
+    for name in DEVICES:
+        if os.path.exists(f"/dev/{name}"):
+            args += ["--dev-bind", f"/dev/{name}", f"/dev/{name}"]
+    args += ["--size", str(TMP_BYTES), "--perms", "1777", "--tmpfs", "/tmp", "--remount-ro", "/",
+             "--chdir", "/sandbox", "--clearenv"]
+    for key, value in {"PATH": "/usr/bin:/bin", "HOME": "/tmp", "TMPDIR": "/tmp", "LANG": "C.UTF-8",
+                       "PYTHONHASHSEED": "0", "PYTHONDONTWRITEBYTECODE": "1"}.items():
+        args += ["--setenv", key, value]
+    args += ["--seccomp", "5", "--", config["bwrap_python"], "-I", "-S", "-B", "-c", _RUNNER, "program.py",
+             config["bpf"], "strict" if config["strict"] else "unsafe", config.get("serve") or ""]
+    os.execv(args[0], args)
+
+
 def _become(libc, uid: int, gid: int) -> None:
     """Drop to the program's user, then arm SIGKILL on the launcher's death (a credential change would clear it)."""
     if os.geteuid() != uid or os.getegid() != gid:
@@ -518,6 +583,8 @@ def _build_root(libc, config: dict) -> None:
 if __name__ == "__main__":
     if sys.argv[1] == "--check":
         _check(sys.argv[2:])
+    elif sys.argv[1] == "--bwrap":
+        _bwrap(json.loads(sys.argv[2]))
     else:
         _launch(json.loads(sys.argv[1]))
 
