@@ -1,6 +1,13 @@
 """Run untrusted Python (HumanEval completions) contained by the kernel, never in the harness process.
 
-Per check (the child side is `sandbox_launcher.py`):
+Two backends build the same containment (`backend()`): bubblewrap where `bwrap` is installed and works
+(`sandbox_launcher._bwrap`: bwrap runs as `nobody`, makes the namespaces and the read-only root below, and
+installs a seccomp filter passed in with `--seccomp`, which leaves exec, prctl and seccomp to the runner's
+own whole filter), else the built-in launcher, which is also the fallback when bwrap cannot set up. The
+filter stays the hand-assembled one: no maintained libseccomp binding is installable with pip (pyseccomp's
+last release is from 2021; the official binding ships only with distributions' Pythons).
+
+Per check on the launcher (the child side is `sandbox_launcher.py`):
 
 * the harness (`run_python`) writes the program into a throw-away directory, starts the launcher and,
   when the launcher made a user namespace, writes its uid/gid maps (only a process outside may map
