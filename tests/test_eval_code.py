@@ -511,7 +511,7 @@ def test_the_164_canonical_solutions_pass():
 
 
 def _descendants_pss() -> tuple[int, list]:
-    """Proportional set size (bytes) of this test's sandbox processes (its descendants that run the launcher,
+    """Proportional anonymous and shared-memory set size (bytes) of this test's sandbox processes (its descendants that run the launcher,
     bwrap or the runner; not a fork that has yet to exec), the check's host memory, and its parts."""
     parents = {}
     for pid in filter(str.isdigit, os.listdir("/proc")):
@@ -527,7 +527,10 @@ def _descendants_pss() -> tuple[int, list]:
             rollup = Path(f"/proc/{pid}/smaps_rollup").read_text()
         except OSError:
             continue
-        pss = sum(int(line.split()[1]) << 10 for line in rollup.splitlines() if line.startswith("Pss:"))
+        # what the check itself holds: anonymous and shared-memory pages (not the host's cached libraries, which
+        # every Python maps and a cgroup charges to whoever read them first)
+        pss = sum(int(line.split()[1]) << 10 for line in rollup.splitlines()
+                  if line.startswith(("Pss_Anon:", "Pss_Shmem:")))
         total += pss
         parts.append((pid, parents[pid], pss >> 20))
     return total, parts
