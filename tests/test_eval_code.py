@@ -511,8 +511,8 @@ def test_the_164_canonical_solutions_pass():
 
 
 def _descendants_pss() -> tuple[int, list]:
-    """Proportional anonymous and shared-memory set size (bytes) of this test's sandbox processes (its descendants that run the launcher,
-    bwrap or the runner; not a fork that has yet to exec), the check's host memory, and its parts."""
+    """Proportional anonymous and shared-memory set size (bytes) of this test's sandbox processes (descendants
+    running the launcher, bwrap or the runner; not a fork yet to exec), the check's host memory, and its parts."""
     parents = {}
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
