@@ -1,0 +1,153 @@
+"""Early exit of generated tokens (`--exit`, melt_eval/modeling/early_exit.py): today's tokens without it,
+what an exited token leaves in the cache, and the work the engine skips for exited rows."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from melt_eval.errors import UserError
+from melt_eval.generation.engine import generate
+from melt_eval.generation.options import InferenceOptions
+from melt_eval.modeling import early_exit
+from melt_eval.modeling.kv_cache import StaticStore, policy_for
+from melt_eval.modeling.melt import MeltForCausalLM
+
+PROMPTS = [[1, 5, 7, 9, 11], [3, 4]]
+SAMPLE = dict(n=2, temperature=1.0, top_p=0.9, max_new_tokens=8, seed=0)
+
+
+@pytest.fixture(scope="module")
+def models(random_looplm):
+    ouro = random_looplm(0.3)
+    return {"ouro": ouro, "melt": MeltForCausalLM.from_looplm(ouro).eval()}
+
+
+def _constant_gate(model, logit: float) -> None:
+    """lambda_t = sigmoid(logit) at every loop, whatever the state."""
+    with torch.no_grad():
+        model.model.early_exit_gate.weight.zero_()
+        model.model.early_exit_gate.bias.fill_(logit)
+
+
+@pytest.mark.parametrize("kind", ["ouro", "melt"])
+def test_without_exit_the_tokens_are_todays(models, kind):
+    model = models[kind]
+    today = generate(model, PROMPTS, **SAMPLE)
+    assert today.loop_counts is None
+    assert generate(model, PROMPTS, InferenceOptions(exit="gate:1"), **SAMPLE).sequences == today.sequences
+    # the early-exit decode step at full depth (no row can agree 4 more times in 4 loops) is today's step
+    full = generate(model, PROMPTS, InferenceOptions(exit="agree:4"), **SAMPLE)
+    assert full.sequences == today.sequences
+    decode_steps = [[len(s) - 1 for s in per] for per in full.sequences]
+    assert [[c[:3] for c in per] for per in full.loop_counts] == [[[0, 0, 0]] * 2] * 2
+    assert [[c[3] for c in per] for per in full.loop_counts] == decode_steps
+
+
+def _prefilled(model, ids):
+    """A one-row cache (room for one more token) after the prompt `ids` at full depth, and its policy."""
+    layout = model.cache_layout(share_prompt=False)
+    keys, _ = layout.store_keys()
+    store = StaticStore(keys, batch=1, kv_heads=layout.kv_heads, capacity=len(ids) + 1, head_dim=layout.head_dim,
+                        dtype=torch.float32, device="cpu")
+    policy = policy_for(layout, store)
+    with torch.no_grad():
+        model.model.run_chunk(torch.tensor([ids]), torch.arange(len(ids))[None], policy)
+    return store, policy
+
+
+# lambda = 1/2 at every loop: the cumulative exit probability is 1/2, 3/4, 7/8 after loops 1, 2, 3
+@pytest.mark.parametrize("q,depth", [(0.5, 1), (0.7, 2), (0.8, 3), (0.9, 4)])
+@pytest.mark.parametrize("kind", ["ouro", "melt"])
+def test_an_exited_token_leaves_its_exit_loop_state(models, random_looplm, kind, q, depth):
+    model = models[kind]
+    saved = model.model.early_exit_gate.weight.clone(), model.model.early_exit_gate.bias.clone()
+    _constant_gate(model, 0.0)
+    T, N, ids, token = 4, model.config.num_hidden_layers, PROMPTS[0], 13
+    try:
+        store, policy = _prefilled(model, ids)
+        logits, used = early_exit.decode_step(model, torch.tensor([[token]]), torch.tensor([[len(ids)]]), policy,
+                                              ("gate", q))
+        # the same token run through `depth` loops only, over the same prompt
+        ref_store, ref_policy = _prefilled(model, ids)
+        model.config.total_ut_steps = depth
+        with torch.no_grad():
+            x, _ = model.model.run_chunk(torch.tensor([[token]]), torch.tensor([[len(ids)]]), ref_policy)
+            ref_logits = model.lm_head(x[:, -1]).float()
+    finally:
+        model.config.total_ut_steps = 4
+        with torch.no_grad():
+            model.model.early_exit_gate.weight.copy_(saved[0])
+            model.model.early_exit_gate.bias.copy_(saved[1])
+    assert used.tolist() == [depth]
+    torch.testing.assert_close(logits, ref_logits)
+    p = len(ids)
+    for i in range(N):
+        if kind == "melt":  # the shared entry holds the state at the exit loop
+            for a, b in zip(store.buffers[i], ref_store.buffers[i]):
+                torch.testing.assert_close(a[:, :, p], b[:, :, p])
+            continue
+        for t in range(T):  # Ouro: loops up to the exit are its own, deeper loops a copy of the exit loop's
+            for a, b in zip(store.buffers[(i, t)], ref_store.buffers[(i, min(t, depth - 1))]):
+                torch.testing.assert_close(a[:, :, p], b[:, :, p])
+        assert store.length == p + 1
+
+
+def _mlp_rows(model, run) -> int:
+    """Token rows the layers' MLPs processed while `run()` ran (every (layer, loop) step runs one)."""
+    seen = []
+    hooks = [layer.mlp.register_forward_hook(lambda m, args, out: seen.append(args[0].shape[0] * args[0].shape[1]))
+             for layer in model.model.layers]
+    try:
+        run()
+    finally:
+        for h in hooks:
+            h.remove()
+    return sum(seen)
+
+
+@pytest.mark.parametrize("kind", ["ouro", "melt"])
+def test_the_engine_skips_the_loops_of_exited_rows(models, kind):
+    model = models[kind]
+    T, N, rows = 4, model.config.num_hidden_layers, len(PROMPTS) * SAMPLE["n"]
+    steps = SAMPLE["max_new_tokens"] - 1  # no EOS given: every row decodes max_new_tokens - 1 steps
+    full = _mlp_rows(model, lambda: generate(model, PROMPTS, **SAMPLE))
+    saved = model.model.early_exit_gate.bias.clone(), model.model.early_exit_gate.weight.clone()
+    _constant_gate(model, 0.0)
+    try:
+        result = []
+        exited = _mlp_rows(model, lambda: result.append(generate(model, PROMPTS, InferenceOptions(exit="gate:0.7"),
+                                                                 **SAMPLE)))
+    finally:
+        with torch.no_grad():
+            model.model.early_exit_gate.bias.copy_(saved[0])
+            model.model.early_exit_gate.weight.copy_(saved[1])
+    # every generated token stops after loop 2: loops 3 and 4 of every decode step are not run
+    assert result[0].loop_counts == [[[0, steps, 0, 0]] * 2] * 2
+    assert full - exited == steps * rows * N * (T - 2)
+
+
+def test_mixed_exits_run_only_the_active_rows(models):
+    """agree:1 stops rows at different loops; the rows run equal the loops the engine reports."""
+    model = models["ouro"]
+    N = model.config.num_hidden_layers
+    base = _mlp_rows(model, lambda: generate(model, PROMPTS, **dict(SAMPLE, max_new_tokens=1)))  # the prefill
+    result = []
+    rows = _mlp_rows(model, lambda: result.append(generate(model, PROMPTS, InferenceOptions(exit="agree:1"), **SAMPLE)))
+    counts = [c for per in result[0].loop_counts for c in per]
+    loops_run = sum(depth * n for c in counts for depth, n in enumerate(c, start=1))
+    assert len({tuple(c) for c in counts}) > 1 or any(c[-1] < sum(c) for c in counts)  # exits really differ
+    assert rows - base == loops_run * N
+
+
+@pytest.mark.parametrize("spelling", ["gate:0", "gate:1.5", "gate:x", "agree:0", "agree:2.5", "stop:3", "gate"])
+def test_a_wrong_exit_is_one_line(spelling):
+    with pytest.raises(UserError, match=r"^--exit must be gate:Q .* got") as err:
+        InferenceOptions(exit=spelling)
+    assert "\n" not in str(err.value)
+
+
+def test_gate_one_is_the_default():
+    assert InferenceOptions(exit="gate:1") == InferenceOptions()
+    assert InferenceOptions(exit="gate:0.50").exit == "gate:0.5"
+    assert InferenceOptions(exit="agree:2").exit_rule == ("agree", 2)
