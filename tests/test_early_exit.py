@@ -151,3 +151,39 @@ def test_gate_one_is_the_default():
     assert InferenceOptions(exit="gate:1") == InferenceOptions()
     assert InferenceOptions(exit="gate:0.50").exit == "gate:0.5"
     assert InferenceOptions(exit="agree:2").exit_rule == ("agree", 2)
+
+
+def test_a_run_records_the_loops_per_token(tmp_path):
+    """`melt-eval run --exit`: results.json and details.jsonl say how many loops the generated tokens ran."""
+    import json
+
+    from helpers import main_exit_code
+
+    args = ["run", "synthetic", "--model", "tiny-random-ouro", "--output", tmp_path, "--max-problems", "2",
+            "--samples", "2", "--max-new-tokens", "6", "--no-progress", "--exit", "agree:1"]
+    assert main_exit_code(args) == 0
+    task_dir = tmp_path / "tiny-random-ouro" / "synthetic"
+    result = json.loads((task_dir / "results.json").read_text())
+    assert result["settings"]["exit"] == "agree:1"
+    summary = result["loops_per_token"]
+    histogram = summary["histogram"]
+    assert set(histogram) == {"1", "2", "3", "4"} and histogram["1"] == 0  # agreeing needs two loops
+    tokens = sum(histogram.values())
+    assert 0 < tokens <= result["generated_tokens"]
+    assert summary["mean"] == pytest.approx(sum(int(d) * n for d, n in histogram.items()) / tokens)
+    details = [json.loads(x) for x in (task_dir / "details.jsonl").read_text().splitlines()]
+    per_problem = [d["loops_per_token"]["histogram"] for d in details]
+    assert {d: sum(h[d] for h in per_problem) for d in histogram} == histogram
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--exit", "gate:2"], "--exit must be gate:Q"),
+    (["--exit", "agree:1", "--backend", "endpoint", "--base-url", "http://127.0.0.1:9"], "native engine only"),
+    (["--exit", "agree:1", "--backend", "vllm"], "--backend vllm runs every loop"),
+])
+def test_the_cli_refuses_exit_in_one_line(tmp_path, capsys, args, message):
+    from helpers import main_exit_code, one_line_error
+
+    code = main_exit_code(["run", "synthetic", "--model", "tiny-random-ouro", "--output", tmp_path / "out", *args])
+    one_line_error(capsys, code, message)
+    assert not (tmp_path / "out").exists()

@@ -82,6 +82,11 @@ def register(app: typer.Typer) -> None:
                                           help="KV sharing also over the prompt (no prefill; default: off)."),
         prefill_chunk: int = typer.Option(1, "--prefill-chunk", rich_help_panel=MODEL,
                                           help="Prompt chunk size C (1 = exact MELT)."),
+        exit: Optional[str] = typer.Option(
+            None, "--exit", rich_help_panel=MODEL, metavar="gate:Q|agree:K",
+            help="Early exit of generated tokens (native engine; the prompt keeps full depth): gate:Q stops a token "
+                 "at the first loop where Ouro's cumulative exit probability reaches Q (0 < Q <= 1), agree:K once its "
+                 "top token stays the same K more loops (K >= 1). Default: none, every loop (= gate:1)."),
         samples: Optional[int] = typer.Option(None, "--samples", rich_help_panel=GENERATION,
                                               help="Samples per problem (default: the paper's, per task)."),
         temperature: float = typer.Option(1.0, "--temperature", rich_help_panel=GENERATION,
@@ -140,7 +145,7 @@ def register(app: typer.Typer) -> None:
             raise UserError("--api-key goes with --backend endpoint; drop it here")
 
         options = InferenceOptions(
-            loops=loops, kv_sharing=kv_sharing, share_prompt=share_prompt, prefill_chunk=prefill_chunk,
+            loops=loops, kv_sharing=kv_sharing, share_prompt=share_prompt, prefill_chunk=prefill_chunk, exit=exit,
             sampling=Sampling(samples=samples, temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens,
                               seed=seed),
         )
