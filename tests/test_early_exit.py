@@ -187,3 +187,44 @@ def test_the_cli_refuses_exit_in_one_line(tmp_path, capsys, args, message):
     code = main_exit_code(["run", "synthetic", "--model", "tiny-random-ouro", "--output", tmp_path / "out", *args])
     one_line_error(capsys, code, message)
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("kind", ["ouro", "melt"])
+def test_rows_that_stop_at_different_loops_each_keep_their_own_state(models, monkeypatch, kind):
+    """Two rows of one step: row 0 stops after loop 2, row 1 runs all 4 (the decider forced, so the gathered
+    path is what is checked): each row's logits and cache entries are those of its own depth."""
+    model = models[kind]
+    T, N, ids, tokens = 4, model.config.num_hidden_layers, PROMPTS[0], [13, 21]
+
+    def stops(self, model, h):  # row 0 of the batch (the first active row) stops after loop 2, once
+        stop = torch.zeros(h.shape[0], dtype=torch.bool)
+        self.calls = getattr(self, "calls", 0) + 1
+        if self.calls == 2:
+            stop[0] = True
+        return stop, None
+
+    monkeypatch.setattr(early_exit._Decider, "stops", stops)
+    store, policy = _prefilled(model, ids)
+    two = {key: tuple(torch.cat([b, b]) for b in kv) for key, kv in store.buffers.items()}
+    store.buffers = two
+    logits, used = early_exit.decode_step(model, torch.tensor([[t] for t in tokens]),
+                                          torch.tensor([[len(ids)]] * 2), policy, ("gate", 0.5))
+    assert used.tolist() == [2, 4]
+    p = len(ids)
+    for row, depth in ((0, 2), (1, 4)):
+        ref_store, ref_policy = _prefilled(model, ids)
+        model.config.total_ut_steps = depth
+        try:
+            with torch.no_grad():
+                x, _ = model.model.run_chunk(torch.tensor([[tokens[row]]]), torch.tensor([[p]]), ref_policy)
+        finally:
+            model.config.total_ut_steps = T
+        # a batch of two against a batch of one: float sums in another order (random weights of std 0.3)
+        close = dict(atol=2e-4, rtol=1e-4)
+        torch.testing.assert_close(logits[row : row + 1], model.lm_head(x[:, -1]).float(), **close)
+        for i in range(N):
+            # MELT: the shared entry; Ouro: loops up to the exit its own, deeper ones the exit loop's copy
+            pairs = [(i, i)] if kind == "melt" else [((i, t), (i, min(t, depth - 1))) for t in range(T)]
+            for ours, theirs in pairs:
+                for a, b in zip(store.buffers[ours], ref_store.buffers[theirs]):
+                    torch.testing.assert_close(a[row, :, p], b[0, :, p], **close)

@@ -49,8 +49,9 @@ def _attend_rows(policy, key, rows: Tensor, q: Tensor, kv, past: int, mask: Tens
     return chunk_attention(q, kb[rows, :, : past + 1], vb[rows, :, : past + 1], mask)
 
 
-def _fill_deeper_loops(policy, rows: Tensor, loop: int, loops: int, layers: int, past: int) -> None:
-    """Ouro's per-loop cache: the exit loop's K/V of `rows` copied into every deeper loop's slot."""
+def _fill_deeper_loops(policy, rows: Tensor | slice, loop: int, loops: int, layers: int, past: int) -> None:
+    """Ouro's per-loop cache: the exit loop's K/V of `rows` (indices, or a slice for the whole batch) copied
+    into every deeper loop's slot."""
     if isinstance(policy, (SharedKV, PromptPerLoopThenSharedKV)):
         return  # one entry per layer: it already holds the state at the exit loop
     buffers = policy.store.buffers
@@ -124,7 +125,9 @@ def decode_step(model, tokens: Tensor, position_ids: Tensor, policy, rule: tuple
         done = rows[stop]
         logits[done] = loop_logits[stop] if loop_logits is not None else model.lm_head(x[stop, -1]).float()
         used[done] = t + 1
-        _fill_deeper_loops(policy, done, t, T, N, past)
+        # the whole batch stopping together (a common case for the gate rule) copies without index gathers
+        everyone_stops = done.numel() == B
+        _fill_deeper_loops(policy, slice(None) if everyone_stops else done, t, T, N, past)
         kept = ~stop
         rows, x, cos, sin = rows[kept], x[kept], cos[kept], sin[kept]
         states = [None if s is None else s[kept] for s in states]
