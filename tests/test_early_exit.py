@@ -228,3 +228,64 @@ def test_rows_that_stop_at_different_loops_each_keep_their_own_state(models, mon
             for ours, theirs in pairs:
                 for a, b in zip(store.buffers[ours], ref_store.buffers[theirs]):
                     torch.testing.assert_close(a[row, :, p], b[0, :, p], **close)
+
+
+def test_ablate_exit_plans_a_grid_on_ouro_and_melt(tmp_path, monkeypatch):
+    from typer.testing import CliRunner
+
+    from melt_eval.cli import app
+    from melt_eval.experiments import ablations
+    from melt_eval.protocol import variants
+
+    monkeypatch.chdir(tmp_path)
+    res = CliRunner().invoke(app, ["ablate", "exit", "--preset", "tiny", "--dry-run"], terminal_width=400)
+    assert res.exit_code == 0, res.output
+    plan = ablations.plan("exit", "tiny")
+    rules = [v.eval_options["exit"] for v in variants.EXIT.variants]
+    assert [(p.ablation, p.eval_options["exit"]) for p in plan] == [
+        (f"exit/{m}", r) for m in ("tiny-random-ouro", "tiny-random-melt") for r in rules]
+    assert all(not p.train for p in plan) and rules[0] is None and "gate:0.9" in rules and "agree:2" in rules
+    steps = ablations.describe(plan, tmp_path / "runs", tmp_path / "results", "synthetic", "native")
+    assert sum(s["command"].endswith("--exit gate:0.9") for s in steps) == 2
+    assert list(tmp_path.iterdir()) == []  # nothing run
+    assert "exit" not in variants.ABLATIONS  # not one of the paper's tables, not in the demo's plan
+    assert [p.base for p in ablations.plan("exit", "paper", "some/ckpt")] == ["some/ckpt"] * len(rules)
+
+
+def _exit_result(root, model, rule, pass1, histogram):
+    """A finished results.json as `ablate exit` writes it (results/ablations/exit/<model>/<rule>/synthetic/)."""
+    import json
+
+    name = rule.replace(":", "-") if rule else "full"
+    settings = {"loops": 4, "kv_sharing": None, "samples": 2, **({"exit": rule} if rule else {})}
+    raw = {"model": name, "task": "synthetic", "finished": True, "settings": settings, "model_path": f"/ckpt/{model}",
+           "metrics": {"pass@1": {"value": pass1, "stderr": 0.05}}}
+    if rule:
+        tokens = sum(histogram)
+        raw["loops_per_token"] = {"mean": sum((d + 1) * n for d, n in enumerate(histogram)) / tokens,
+                                  "histogram": {str(d + 1): n for d, n in enumerate(histogram)}}
+    path = root / "ablations" / "exit" / model / name / "synthetic" / "results.json"
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps(raw))
+
+
+def test_the_report_draws_accuracy_against_loops_spent(tmp_path):
+    from melt_eval.report.results import load_results
+    from melt_eval.report.tables import build_tables
+    from melt_eval.report.write import write_report
+
+    for model in ("tiny-random-melt", "tiny-random-ouro"):
+        _exit_result(tmp_path, model, None, 0.60, None)
+        _exit_result(tmp_path, model, "gate:0.5", 0.40, [10, 10, 0, 0])  # mean 1.5
+        _exit_result(tmp_path, model, "agree:1", 0.55, [0, 5, 5, 10])  # mean 3.25
+    [table] = [t for t in build_tables(load_results(tmp_path)) if t.key == "exit"]
+    assert table.title.startswith("Beyond the paper")
+    melt = [(r.stub[2], r.cells[0].value, round(r.cells[1].value, 6)) for r in table.rows if r.stub[0] == "tiny-random-melt"]
+    assert melt == [("all loops", 4.0, 60.0), ("gate:0.5", 1.5, 40.0), ("agree:1", 3.25, 55.0)]
+    out = write_report(tmp_path, tmp_path / "report", latex=False)
+    assert tmp_path / "report" / "plots" / "exit.png" in out["files"]
+    assert "Beyond the paper: early exit" in (tmp_path / "report" / "report.md").read_text()
+    (tmp_path / "bare").mkdir()  # no --exit runs: no table, no figure
+    bare = write_report(tmp_path / "bare", tmp_path / "bare-report", latex=False)
+    assert not any(p.name.startswith("exit") for p in bare["files"])
+    assert all(t.key != "exit" for t in bare["tables"])

@@ -246,7 +246,7 @@ def exit_table(rs: ResultSet) -> Table:
         key="exit",
         title="Beyond the paper: early exit",
         caption="Early exit of generated tokens (\texttt{--exit}; the prompt keeps full depth): mean loops per "
-        "generated token and accuracy / pass@1 (mean $\pm$ standard error, percent). Not in the paper, which "
+        "generated token and accuracy / pass@1 (mean $\\pm$ standard error, percent). Not in the paper, which "
         "leaves adaptive depth to future work.",
         stub_heads=["Model", "Task", "Exit rule"],
         heads=["Loops / token", "Accuracy / pass@1"],
