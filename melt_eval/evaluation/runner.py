@@ -389,10 +389,11 @@ def _run_one(spec, rows, loaded: LoadedModel, options: InferenceOptions, identit
         "versions": versions(), "wall_time_s": round(time.perf_counter() - started, 3),
         "generated_tokens": sum(r.get("tokens", 0) for r in store.done.values()),
         "peak_cache_bytes": loaded.backend.peak_cache_bytes or None, "num_problems": len(rows),
-        "loops_per_token": loops_summary([r.get("loop_counts") for r in store.done.values()]),
         "date": date, "git_commit": code.get("git_sha"), "git_dirty": code.get("git_dirty"),
         "lighteval_files": lighteval_files,  # relative to this directory
     }
+    if options.exit is not None:  # --exit: the loops its generated tokens ran
+        result["loops_per_token"] = loops_summary([r.get("loop_counts") for r in store.done.values()])
     if hasattr(loaded.backend, "describe"):
         result.update(loaded.backend.describe())  # the engine or server the samples came from
     if spec.kind == "code":
