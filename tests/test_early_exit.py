@@ -289,3 +289,18 @@ def test_the_report_draws_accuracy_against_loops_spent(tmp_path):
     bare = write_report(tmp_path / "bare", tmp_path / "bare-report", latex=False)
     assert not any(p.name.startswith("exit") for p in bare["files"])
     assert all(t.key != "exit" for t in bare["tables"])
+
+
+@pytest.mark.parametrize("kind,kv_sharing,share_prompt", [
+    ("ouro", None, False), ("ouro", "last", False), ("ouro", "first", True), ("melt", None, False)])
+def test_a_rows_exits_do_not_depend_on_its_batch(models, kind, kv_sharing, share_prompt):
+    """Every cache layout under agree:1 (rows stop at different loops, so the gathered path runs): each prompt's
+    tokens and loop counts batched with another are those it gets alone."""
+    options = InferenceOptions(exit="agree:1", kv_sharing=kv_sharing, share_prompt=share_prompt)
+    greedy = dict(SAMPLE, n=1, temperature=0.0, max_new_tokens=10)
+    together = generate(models[kind], PROMPTS, options, **greedy)
+    assert any(c[-1] < sum(c) for per in together.loop_counts for c in per)  # some token stopped early
+    for i, prompt in enumerate(PROMPTS):
+        alone = generate(models[kind], [prompt], options, **greedy)
+        assert alone.sequences[0] == together.sequences[i]
+        assert alone.loop_counts[0] == together.loop_counts[i]
