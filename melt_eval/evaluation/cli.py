@@ -85,6 +85,11 @@ def register(app: typer.Typer) -> None:
             help="Prompt chunk size C (1 = exact MELT). Default: what the checkpoint was trained with, from its "
                  "melt_eval_training.json (the prompt whole where it trained the prompt as one chunk, else its "
                  "chunk_size); 1 without one. `run` prints which."),
+        exit: Optional[str] = typer.Option(
+            None, "--exit", rich_help_panel=MODEL, metavar="gate:Q|agree:K",
+            help="Early exit of generated tokens (native engine; the prompt keeps full depth): gate:Q stops a token "
+                 "at the first loop where Ouro's cumulative exit probability reaches Q (0 < Q <= 1), agree:K once its "
+                 "top token stays the same K more loops (K >= 1). Default: none, every loop (= gate:1)."),
         samples: Optional[int] = typer.Option(None, "--samples", rich_help_panel=GENERATION,
                                               help="Samples per problem (default: the paper's, per task)."),
         temperature: float = typer.Option(1.0, "--temperature", rich_help_panel=GENERATION,
@@ -143,7 +148,7 @@ def register(app: typer.Typer) -> None:
             raise UserError("--api-key goes with --backend endpoint; drop it here")
 
         options = InferenceOptions(
-            loops=loops, kv_sharing=kv_sharing, share_prompt=share_prompt, prefill_chunk=prefill_chunk,
+            loops=loops, kv_sharing=kv_sharing, share_prompt=share_prompt, prefill_chunk=prefill_chunk, exit=exit,
             sampling=Sampling(samples=samples, temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens,
                               seed=seed),
         )

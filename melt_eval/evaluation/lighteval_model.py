@@ -81,8 +81,10 @@ class CompletionStore:
                 and all(isinstance(c, str) for c in row["completions"])
                 and isinstance(row.get("tokens", 0), int) and not isinstance(row.get("tokens", 0), bool))
 
-    def add(self, key: str, completions: list[str], tokens: int) -> None:
+    def add(self, key: str, completions: list[str], tokens: int, loop_counts: list[int] | None = None) -> None:
         row = {"key": key, "completions": completions, "tokens": tokens}
+        if loop_counts is not None:  # --exit: its generated tokens that ran 1, 2, ..., T loops
+            row["loop_counts"] = loop_counts
         self.path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.path, "a") as f:
             f.write(json.dumps(row) + "\n")
@@ -153,8 +155,9 @@ class HarnessModel(LightevalModel):
                         self.on_batch(1, tokens)
                 continue
             batch = self.backend.generate(prompts, seeds, sampling, self.eos_ids)
-            for i, texts, tokens in zip(idx, batch.texts, batch.tokens):
-                self.store.add(keys[i], texts, tokens)
+            loop_counts = batch.loop_counts or [None] * len(idx)
+            for i, texts, tokens, counts in zip(idx, batch.texts, batch.tokens, loop_counts):
+                self.store.add(keys[i], texts, tokens, counts)
                 self.generated_tokens += tokens
             if self.on_batch:
                 self.on_batch(len(idx), sum(batch.tokens))

@@ -102,7 +102,7 @@ def evaluate(spec: TaskSpec, rows: list[dict], model: HarnessModel, workdir: Pat
         pipeline = Pipeline(tasks=spec.name, pipeline_parameters=params, evaluation_tracker=tracker, model=model)
         pipeline.evaluate()
         results = pipeline.get_results()["results"][f"{spec.name}:0"]
-        details = _details(spec, pipeline.get_details()[f"{spec.name}|0"])
+        details = _details(spec, pipeline.get_details()[f"{spec.name}|0"], getattr(model, "store", None))
         saved = save_lighteval(pipeline, save_to, model.options.sampling) if save_to else ({}, None)
     metrics = {}
     for key, value in results.items():
@@ -116,8 +116,9 @@ def _num(x):
     return None if x is None else float(x)
 
 
-def _details(spec: TaskSpec, details) -> list[dict]:
-    """Per problem: every completion with what the metric read from it and whether it is correct."""
+def _details(spec: TaskSpec, details, store=None) -> list[dict]:
+    """Per problem: every completion with what the metric read from it and whether it is correct (and, for a
+    run with --exit, the loops its generated tokens ran: `loops_per_token`)."""
     fn = spec.metrics(spec.samples)[0].sample_level_fn  # a PassAtK: its per-sample scorer is LightEval's
     out = []
     for d in details:
@@ -134,7 +135,22 @@ def _details(spec: TaskSpec, details) -> list[dict]:
             "gold": doc.get_golds()[0], "completions": rows,
             "metrics": {metric_name(k, spec): float(v) for k, v in metrics.items()},
         })
+        counts = store.done.get(problem_key(doc), {}).get("loop_counts") if store is not None else None
+        if counts:
+            out[-1]["loops_per_token"] = loops_summary([counts])
     return sorted(out, key=lambda r: (r["index"] is None, r["index"]))
+
+
+def loops_summary(counts: list[list[int]]) -> dict | None:
+    """{"mean", "histogram"} of the loops generated tokens ran (--exit), from per-problem counts of the
+    tokens that ran 1, 2, ..., T loops: the mean over all their tokens, the histogram keyed "1".."T"."""
+    counts = [c for c in counts if c]
+    if not counts:
+        return None
+    total = [sum(c[d] for c in counts) for d in range(max(len(c) for c in counts))]
+    tokens = sum(total)
+    mean = sum((d + 1) * n for d, n in enumerate(total)) / tokens if tokens else None
+    return {"mean": mean, "histogram": {str(d + 1): n for d, n in enumerate(total)}}
 
 
 def _correct(fn, doc, text: str) -> float:
@@ -336,6 +352,8 @@ def run_tasks(
                 "loops": loaded.loops, "kv_sharing": options.kv_sharing, "share_prompt": options.share_prompt,
                 "prefill_chunk": options.prefill_chunk, "max_problems": max_problems,
             }
+            if options.exit is not None:  # absent otherwise: earlier runs (all loops) keep their identity
+                run_settings["exit"] = options.exit
             run_settings.update(loaded.backend_settings())
             identity = {"model": loaded.display, "task": task, "model_path": str(loaded.model_dir.resolve()),
                         "config_hash": loaded.config_hash, "settings": run_settings}
@@ -380,6 +398,8 @@ def _run_one(spec, rows, loaded: LoadedModel, options: InferenceOptions, identit
         "date": date, "git_commit": code.get("git_sha"), "git_dirty": code.get("git_dirty"),
         "lighteval_files": lighteval_files,  # relative to this directory
     }
+    if options.exit is not None:  # --exit: the loops its generated tokens ran
+        result["loops_per_token"] = loops_summary([r.get("loop_counts") for r in store.done.values()])
     if hasattr(loaded.backend, "describe"):
         result.update(loaded.backend.describe())  # the engine or server the samples came from
     if spec.kind == "code":

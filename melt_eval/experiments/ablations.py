@@ -25,6 +25,9 @@ from melt_eval.training.config import ADDED_FIELDS, EXECUTION_FIELDS, load_recip
 from melt_eval.training.runs import FINISHED, INTERRUPTED, run_state, train_command
 
 ABLATIONS = tuple(definitions.ABLATIONS)
+BEYOND_PAPER = tuple(definitions.BEYOND_PAPER)  # `ablate exit`: not the paper's, not in the demo's plan
+# The models `ablate exit` sweeps, each evaluated as is (results/ablations/exit/<model>/<variant>/)
+EXIT_MODELS = {"paper": ("ouro-1.4b-thinking", "melt-1.6b"), "tiny": ("tiny-random-ouro", "tiny-random-melt")}
 PRESETS = {
     # recipes base, default base model, default tasks
     "paper": {"recipes": "paper", "base": "ouro-1.4b-thinking", "tasks": "ablation"},
@@ -82,10 +85,12 @@ def plan(ablation: str, preset: str = "paper", base: "str | TrainRun | None" = N
     `base` is a model name or path, or the TrainRun that makes it (the demo's teacher): run ids then
     chain through run ids, not through however the caller spelled the base model's path.
     """
-    if ablation not in ABLATIONS:
-        raise UserError(f"unknown ablation {ablation!r}; choose one of {', '.join(ABLATIONS)}")
+    if ablation not in ABLATIONS + BEYOND_PAPER:
+        raise UserError(f"unknown ablation {ablation!r}; choose one of {', '.join(ABLATIONS + BEYOND_PAPER)}")
     if preset not in PRESETS:
         raise UserError(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
+    if ablation == "exit":
+        return exit_plan(preset, base)
     base = base or PRESETS[preset]["base"]
     recipes = PRESETS[preset]["recipes"]
     variants = []
@@ -103,6 +108,18 @@ def plan(ablation: str, preset: str = "paper", base: "str | TrainRun | None" = N
     return variants
 
 
+def exit_plan(preset: str = "paper", base: str | None = None) -> list[VariantPlan]:
+    """`ablate exit`: every exit rule of `definitions.EXIT` on each model (`base`, else the preset's Ouro and
+    MELT), as is; a model's variants go to ablations/exit/<model>/<variant>/."""
+    plans = []
+    for model in [base] if base else EXIT_MODELS[preset]:
+        label = Path(str(model).rstrip("/")).name or str(model)
+        for name in definitions.RUN_ORDER["exit"]:
+            defined = definitions.variant("exit", name)
+            plans.append(VariantPlan(f"exit/{label}", name, base=model, eval_options=dict(defined.eval_options)))
+    return plans
+
+
 def _train_command(run: TrainRun, runs_dir: Path) -> str:
     start = runs_dir / run.start.run_id if isinstance(run.start, TrainRun) else run.start
     # the paper-sized recipes are run on many GPUs with the FSDP config; the tiny ones in one process
@@ -118,6 +135,7 @@ def _eval_command(variant: VariantPlan, runs_dir: Path, output: Path, tasks: str
     opts = variant.eval_options
     flags = [f"--kv-sharing {opts['kv_sharing']}"] if opts.get("kv_sharing") else []
     flags += ["--share-prompt"] if opts.get("share_prompt") else []
+    flags += [f"--exit {opts['exit']}"] if opts.get("exit") else []
     return " ".join([f"melt-eval run {tasks} --model {_eval_model(variant, runs_dir)} --backend {backend}",
                      f"--name {variant.name} --output {output / 'ablations' / variant.ablation}", *flags])
 

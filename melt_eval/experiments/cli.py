@@ -25,7 +25,9 @@ def console(width: int | None = None) -> Console:
 def register(app: typer.Typer) -> None:
     @app.command()
     def ablate(
-        ablation: str = typer.Argument(..., help="gates | components | kv-sharing"),
+        ablation: str = typer.Argument(..., help="gates | components | kv-sharing | exit (beyond the paper: early exit "
+                                       "of generated tokens, a grid of --exit gate:Q and agree:K on the preset's Ouro "
+                                       "and MELT, or --base; native backend)"),
         preset: Preset = typer.Option("paper", "--preset",
                                       help="paper (Ouro-1.4B, paper recipes) | tiny (CPU-sized recipes)."),
         base: Optional[str] = typer.Option(None, "--base", help="Base LoopLM (default: the preset's)."),
@@ -81,6 +83,11 @@ def register(app: typer.Typer) -> None:
         from melt_eval.report.results import load_results
         from melt_eval.report.tables import ablation_table
 
+        if ablation == "exit":
+            from melt_eval.report.tables import exit_table
+
+            console().print(Markdown(render_markdown(exit_table(load_results(output)))))
+            return
         console().print(Markdown(render_markdown(ablation_table(load_results(output), ablation))))
 
     @app.command()

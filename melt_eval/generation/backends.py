@@ -56,6 +56,7 @@ class Batch:
     texts: list[list[str]]  # [prompt][sample]
     tokens: list[int]  # generated tokens per prompt, all samples
     peak_cache_bytes: int | None = None
+    loop_counts: list[list[int]] | None = None  # --exit: per prompt, its tokens that ran 1, 2, ..., T loops
 
 
 class NativeBackend:
@@ -92,7 +93,8 @@ class NativeBackend:
             self.peak_cache_bytes = max(self.peak_cache_bytes, res.peak_cache_bytes)
             texts = [[self._decode(seq) for seq in per] for per in res.sequences]
             tokens = [sum(len(seq) for seq in per) for per in res.sequences]
-            return Batch(texts, tokens, res.peak_cache_bytes)
+            counts = None if res.loop_counts is None else [[sum(c) for c in zip(*per)] for per in res.loop_counts]
+            return Batch(texts, tokens, res.peak_cache_bytes, counts)
         from melt_eval.generation.engine import plan_waves
 
         texts, tokens = [], []
@@ -277,6 +279,9 @@ def check_backend_settings(options: InferenceOptions, settings: BackendSettings)
         raise UserError(f"{flags}: {where}; drop them here")
     if (settings.base_url is not None) != (kind == "endpoint"):
         raise UserError("--base-url goes with --backend endpoint (and --backend endpoint needs --base-url)")
+    if kind != "native" and options.exit is not None:
+        raise UserError(f"--exit runs on the native engine only (--backend {kind} runs every loop); "
+                        "use --backend native or drop --exit")
     if kind == "endpoint" and options.sets_model_options:
         raise UserError("--loops, --kv-sharing, --share-prompt and --prefill-chunk are the server's settings with "
                         "--backend endpoint: pass them to `melt-eval serve` and drop them here")
@@ -298,6 +303,8 @@ def make_backend(model: str, options: InferenceOptions, settings: BackendSetting
     looped = checkpoint_model_type(model_dir) in ("ouro", "melt")
     if options.loops is not None and not looped:
         raise UserError("--loops applies to looped models (Ouro, MELT) only")
+    if not looped and options.exit is not None:
+        raise UserError("--exit applies to looped models (Ouro, MELT) only")
     if not looped and (options.kv_sharing or options.share_prompt):
         raise UserError("--kv-sharing and --share-prompt apply to LoopLM (Ouro) models only")
     # the prompt chunk a looped checkpoint was trained with, unless --prefill-chunk says (1 for other models)

@@ -32,6 +32,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from melt_eval.errors import UserError
 from melt_eval.generation.options import InferenceOptions, Sampling
 from melt_eval.cache_layout import CacheLayout, layout_of
+from melt_eval.modeling import early_exit
 from melt_eval.modeling.kv_cache import StaticStore, policy_for
 from melt_eval.modeling.looplm import LoopLMForCausalLM
 from melt_eval.units import format_bytes
@@ -54,6 +55,9 @@ class GenerationResult:
     peak_cache_bytes: int = 0
     num_generated_tokens: int = 0
     finish_reasons: list[list[str]] = field(default_factory=list)  # "stop" | "length"
+    # with options.exit: [prompt][sample] -> tokens that ran 1, 2, ..., T loops (decode steps; the prompt's
+    # full-depth prefill not counted); None without early exit
+    loop_counts: list[list[list[int]]] | None = None
 
 
 def row_seed(prompt_seed: int, sample: int) -> int:
@@ -268,6 +272,7 @@ def _generate(model, prompts, options: InferenceOptions, *, n, temperature, top_
     sequences: list[list[int]] = []
     logprobs: list[list[float]] = []
     finish: list[str] = []
+    counts: list[list[int]] = []
     peak = 0
     for start in range(0, total_rows, per_wave):
         wave = [divmod(r, n) for r in range(start, min(start + per_wave, total_rows))]
@@ -288,15 +293,17 @@ def _generate(model, prompts, options: InferenceOptions, *, n, temperature, top_
                 groups.append([i, 1])
         caches = _Caches(run_layout(model, kv_sharing, share_prompt), len(wave), p_max, max_new_tokens, dtype, device)
         peak = max(peak, caches.nbytes)
-        seqs, lps, fins = _decode_wave(
+        seqs, lps, fins, wave_counts = _decode_wave(
             model, caches, [(prompts[i], k) for i, k in groups], generators, p_max=p_max,
             max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, eos=eos, stops=stops,
             prefill_chunk=options.chunk, kv_sharing=kv_sharing, callback=callback,
+            exit_rule=options.exit_rule,
         )
         del caches
         sequences += seqs
         logprobs += lps
         finish += fins
+        counts += wave_counts
 
     def per_prompt(flat):
         return [flat[i * n : (i + 1) * n] for i in range(num_prompts)]
@@ -307,11 +314,12 @@ def _generate(model, prompts, options: InferenceOptions, *, n, temperature, top_
         peak_cache_bytes=peak,
         num_generated_tokens=sum(len(s) for s in sequences),
         finish_reasons=per_prompt(finish),
+        loop_counts=per_prompt(counts) if options.exit_rule else None,
     )
 
 
 def _decode_wave(model, caches: _Caches, groups, generators, *, p_max, max_new_tokens, temperature, top_p, eos, stops,
-                 prefill_chunk, kv_sharing, callback):
+                 prefill_chunk, kv_sharing, callback, exit_rule=None):
     """Prefill and decode one wave: `groups` is [(prompt, rows of that prompt)], rows consecutive."""
     device = model.lm_head.weight.device
     chunk = prefill_chunk if caches.layout.prefill_chunk_matters else None  # else the prompt is one chunk
@@ -348,6 +356,8 @@ def _decode_wave(model, caches: _Caches, groups, generators, *, p_max, max_new_t
     logprobs: list[list[float]] = [[] for _ in range(rows)]
     finish = ["length"] * rows
     active = [True] * rows
+    loops = model.config.total_ut_steps
+    counts = [[0] * loops for _ in range(rows)]  # per row: generated tokens that ran 1..T loops (exit_rule)
     logits = last_logits
     uniforms = draw_uniforms(generators, max_new_tokens) if temperature > 0 else None
     for step in range(max_new_tokens):
@@ -371,6 +381,14 @@ def _decode_wave(model, caches: _Caches, groups, generators, *, p_max, max_new_t
         if not any(active) or step == max_new_tokens - 1:
             break
         pos = (prompt_lens + step)[:, None]
-        x, _ = model.model.run_chunk(tokens[:, None], pos, policy, key_mask=key_mask, kv_sharing=kv_sharing)
-        logits = model.lm_head(x[:, -1]).float()
-    return sequences, logprobs, finish
+        if exit_rule is None:
+            x, _ = model.model.run_chunk(tokens[:, None], pos, policy, key_mask=key_mask, kv_sharing=kv_sharing)
+            logits = model.lm_head(x[:, -1]).float()
+            continue
+        # each row stops looping by the rule; the prompt above kept full depth
+        logits, used = early_exit.decode_step(model, tokens[:, None], pos, policy, exit_rule, key_mask=key_mask,
+                                              kv_sharing=kv_sharing)
+        for r, depth in enumerate(used.tolist()):
+            if active[r]:
+                counts[r][depth - 1] += 1
+    return sequences, logprobs, finish, counts

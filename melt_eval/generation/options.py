@@ -97,6 +97,7 @@ class InferenceOptions:
     share_prompt: bool = False
     prefill_chunk: int | None = None
     sampling: Sampling = field(default_factory=Sampling)
+    exit: str | None = None  # early exit of generated tokens: "gate:Q" | "agree:K" (None: all loops)
 
     def __post_init__(self) -> None:
         if self.loops is not None and (not _whole(self.loops) or self.loops < 1):
@@ -104,6 +105,9 @@ class InferenceOptions:
         check_kv_sharing(self.kv_sharing)
         if self.prefill_chunk is not None and (not _whole(self.prefill_chunk) or self.prefill_chunk < 1):
             raise UserError(f"--prefill-chunk must be at least 1, got {self.prefill_chunk!r}")
+        rule = parse_exit(self.exit)
+        # gate:1 is every loop (the default): one spelling, so the run's identity and its tokens are today's
+        object.__setattr__(self, "exit", None if rule is None else f"{rule[0]}:{rule[1]:g}")
         if not isinstance(self.sampling, Sampling):
             raise TypeError(f"sampling must be a Sampling, got {type(self.sampling).__name__}")
 
@@ -145,10 +149,15 @@ class InferenceOptions:
         return replace(self, prefill_chunk=chunk), f"--prefill-chunk {chunk}: {why} (pass --prefill-chunk to change it)"
 
     @property
+    def exit_rule(self) -> tuple[str, float] | None:
+        """("gate", q) or ("agree", k) for `exit`, None when every generated token runs all loops."""
+        return parse_exit(self.exit)
+
+    @property
     def sets_model_options(self) -> bool:
         """Whether any option beyond sampling is set (they apply to looped models only)."""
         return (self.loops is not None or bool(self.kv_sharing) or self.share_prompt
-                or self.prefill_chunk not in (None, DEFAULT_PREFILL_CHUNK))
+                or self.prefill_chunk not in (None, DEFAULT_PREFILL_CHUNK) or self.exit is not None)
 
 
 def trained_prefill_chunk(recipe: dict) -> tuple[int, str] | None:
@@ -184,3 +193,25 @@ def checkpoint_prefill_chunk(model_dir: str | Path) -> tuple[int, str]:
         return DEFAULT_PREFILL_CHUNK, f"{default}: {path}'s recipe (target {recipe.get('target')!r}) sets no prompt chunk"
     chunk, why = trained
     return chunk, f"{why}, from {path}"
+
+
+EXIT_HELP = ("--exit must be gate:Q with 0 < Q <= 1 (stop at the first loop where Ouro's cumulative exit "
+             "probability reaches Q) or agree:K with K >= 1 (stop once the top token stays the same K more loops)")
+
+
+def parse_exit(spelling: str | None) -> tuple[str, float] | None:
+    """The one check of `--exit`: ("gate", q) | ("agree", k) | None (all loops; also gate:1)."""
+    if spelling is None:
+        return None
+    kind, sep, value = str(spelling).strip().partition(":")
+    try:
+        number = float(value) if kind == "gate" else int(value)
+    except ValueError:
+        number = None
+    if not sep or kind not in ("gate", "agree") or number is None or not math.isfinite(number):
+        raise UserError(f"{EXIT_HELP}, got {spelling!r}")
+    if kind == "gate" and not 0 < number <= 1 or kind == "agree" and number < 1:
+        raise UserError(f"{EXIT_HELP}, got {spelling!r}")
+    if kind == "gate" and number == 1:
+        return None
+    return kind, number

@@ -108,7 +108,7 @@ RUN_ORDER = {"gates": GATE_VARIANTS, "components": LADDER, "kv-sharing": tuple(v
 
 
 def variant(ablation: str, name: str) -> Variant:
-    return next(v for v in ABLATIONS[ablation].variants if v.name == name)
+    return next(v for v in (ABLATIONS.get(ablation) or BEYOND_PAPER[ablation]).variants if v.name == name)
 
 
 def training_steps(name: str, base: str = "paper") -> list[tuple[int, str, dict]]:
@@ -117,3 +117,21 @@ def training_steps(name: str, base: str = "paper") -> list[tuple[int, str, dict]
     if ablation is None:
         raise ValueError(f"unknown variant {name!r}; ladder: {', '.join(LADDER)}; gates: {', '.join(GATE_VARIANTS)}")
     return variant(ablation, name).training_steps(base)
+
+
+# Beyond the paper (docs/method.md#early-exit): early exit of generated tokens, a grid over Ouro's gate
+# threshold q and the training-free agreement count k, with full depth as the reference point. Not one
+# of the paper's tables (it has none for early exit), so not in ABLATIONS: the demo and the paper's
+# tables do not plan it; `melt-eval ablate exit` evaluates each of the preset's models (Ouro and MELT)
+# as is at every point. paper_key is empty: no paper figure to compare with.
+EXIT_THRESHOLDS = (0.5, 0.7, 0.9, 0.95, 0.99)
+EXIT_AGREEMENTS = (1, 2, 3)
+EXIT = Ablation("exit", "", "Early exit: accuracy against loops per token (beyond the paper)", "Exit rule", (
+    Variant("exit", "full", "", "All loops", eval_options={"exit": None}),
+    *(Variant("exit", f"gate-{q:g}", "", f"Gate q = {q:g}", eval_options={"exit": f"gate:{q:g}"})
+      for q in EXIT_THRESHOLDS),
+    *(Variant("exit", f"agree-{k}", "", f"Agree k = {k}", eval_options={"exit": f"agree:{k}"})
+      for k in EXIT_AGREEMENTS),
+))
+BEYOND_PAPER: dict[str, Ablation] = {EXIT.name: EXIT}
+RUN_ORDER[EXIT.name] = tuple(v.name for v in EXIT.variants)

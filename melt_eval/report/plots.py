@@ -24,7 +24,7 @@ from melt_eval.protocol.labels import MAIN_MODELS
 from melt_eval.registry import MODELS
 from melt_eval.report.memory import GB, MB, kv_bytes_per_token_at, memory_row
 from melt_eval.report.paper import paper_memory, paper_results
-from melt_eval.report.results import ResultSet
+from melt_eval.report.results import ResultSet, exit_points
 
 MELT_COLOUR, OTHER_COLOUR = "#d62728", "#1f77b4"
 TOKENS_32K = 32_768
@@ -175,7 +175,7 @@ def loops_points(rs: ResultSet, task: str | None = None) -> dict[str, list[LoopP
     task = task or loops_task(rs)
     groups: dict[tuple, dict] = defaultdict(dict)
     for r in rs.every:
-        if r.settings.get("loops") and r.task == task:
+        if r.settings.get("loops") and r.task == task and not r.settings.get("exit"):  # all loops only
             groups[_group_key(r)][int(r.settings["loops"])] = r
     out = {}
     for key, by_t in groups.items():
@@ -231,6 +231,34 @@ def loops_figure(rs: ResultSet, out_dir: Path, task: str | None = None) -> list[
     fig.suptitle("Accuracy and KV memory vs loops at inference", fontsize=10)
     fig.tight_layout()
     return _save(fig, out_dir / "loops")
+
+
+def exit_figure(rs: ResultSet, out_dir: Path) -> list[Path]:
+    """Beyond the paper: accuracy against mean loops per generated token under --exit, one line per checkpoint
+    and task, its full-depth run a star (`melt-eval ablate exit`). Nothing is drawn without --exit runs."""
+    points = exit_points(rs)
+    if not points:
+        return []
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for (label, task), ps in points.items():
+        colour = MELT_COLOUR if _is_melt(label) else OTHER_COLOUR
+        ps = [p for p in ps if _first_metric(p.result) is not None]
+        ax.plot([p.mean_loops for p in ps], [_first_metric(p.result) for p in ps], marker="o", color=colour,
+                linestyle="-" if _is_melt(label) else "--", label=f"{_display(label)} ({task})")
+        for p in ps:
+            if p.rule is None:
+                ax.plot([p.mean_loops], [_first_metric(p.result)], marker="*", markersize=14, color=colour)
+            else:
+                ax.annotate(p.rule, (p.mean_loops, _first_metric(p.result)), fontsize=6, xytext=(3, 3),
+                            textcoords="offset points")
+    ax.set_xlabel("mean loops per generated token")
+    ax.set_ylabel("accuracy / pass@1 (%)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.suptitle("Early exit (beyond the paper): accuracy against loops spent; star = all loops", fontsize=9)
+    fig.tight_layout()
+    return _save(fig, out_dir / "exit")
 
 
 def _save(fig, stem: Path) -> list[Path]:

@@ -73,6 +73,45 @@ class ResultSet:
         return list(dict.fromkeys(v for a, v, _ in self.ablations if a == ablation))
 
 
+@dataclass
+class ExitPoint:
+    """One evaluation on the early-exit trade-off (beyond the paper): `rule` the run's --exit (None: full depth),
+    `mean_loops` per generated token (results.json loops_per_token, else the run's T)."""
+
+    rule: str | None
+    mean_loops: float
+    result: Result
+
+
+def exit_points(rs: ResultSet) -> dict[tuple[str, str], list[ExitPoint]]:
+    """Per (checkpoint, task) that has --exit runs: its points by mean loops per token, full depth included
+    (the runs of the same checkpoint, task and T without --exit, sharing off)."""
+    runs: dict[tuple, list[Result]] = {}
+    for r in rs.every:
+        s = r.settings
+        if s.get("loops") and not s.get("kv_sharing"):
+            runs.setdefault((r.raw.get("model_path") or r.model, r.task, s["loops"]), []).append(r)
+    out = {}
+    for (model, task, loops), members in runs.items():
+        if not any(r.settings.get("exit") for r in members):
+            continue
+        points, seen = [], set()
+        for r in members:
+            rule = r.settings.get("exit")
+            if rule in seen:  # the same evaluation copied under another name (an ablation reusing it)
+                continue
+            seen.add(rule)
+            summary = r.raw.get("loops_per_token") or {}
+            mean = summary.get("mean") if rule else float(loops)
+            if isinstance(mean, (int, float)):
+                points.append(ExitPoint(rule, float(mean), r))
+        # `ablate exit` names each run by its rule (results/ablations/exit/<model>/<rule>/): the model is the folder
+        names = {r.path.parents[2].name if r.path.parents[3].name == "exit" else r.model for r in members}
+        label = min(names, key=len)
+        out[(label, task)] = sorted(points, key=lambda p: p.mean_loops)
+    return dict(sorted(out.items()))
+
+
 class Malformed(ValueError):
     """A results.json that parses but does not hold what the contract says."""
 

@@ -230,6 +230,30 @@ def _groups(columns: list[tuple[str, str]]) -> list[tuple[str, int]]:
     return groups
 
 
+def exit_table(rs: ResultSet) -> Table:
+    """Beyond the paper: each checkpoint's accuracy and mean loops per generated token under every --exit rule it
+    was run with, full depth first (`melt-eval ablate exit`; the figure is plots/exit.png)."""
+    from melt_eval.report.results import exit_points
+
+    rows = []
+    for (label, task), points in exit_points(rs).items():
+        full = [p for p in points if p.rule is None]
+        for i, p in enumerate(full + [p for p in points if p.rule is not None]):
+            value, stderr = _pct(p.result, "accuracy")  # pass@1 where the task samples several
+            rows.append(Row([_display(label), task, p.rule or "all loops"],
+                            [Cell(p.mean_loops, digits=2), Cell(value, stderr)], rule_before=i == 0 and bool(rows)))
+    return Table(
+        key="exit",
+        title="Beyond the paper: early exit",
+        caption="Early exit of generated tokens (\texttt{--exit}; the prompt keeps full depth): mean loops per "
+        "generated token and accuracy / pass@1 (mean $\\pm$ standard error, percent). Not in the paper, which "
+        "leaves adaptive depth to future work.",
+        stub_heads=["Model", "Task", "Exit rule"],
+        heads=["Loops / token", "Accuracy / pass@1"],
+        rows=rows,
+    )
+
+
 def other_tasks_table(rs: ResultSet) -> Table | None:
     """Models x metrics for tasks outside the paper's benchmarks (e.g. the demo's synthetic task)."""
     extra = list(dict.fromkeys(t for _, t in rs.main if t not in BENCHMARK_LABELS))
@@ -408,4 +432,7 @@ def build_tables(rs: ResultSet, compare: bool = False) -> list[Table]:
         tables.insert(0, claims_table(rs))
     other = other_tasks_table(rs)
     mistakes = None if rs.empty else mistakes_table(rs)
-    return tables + [t for t in (other, mistakes) if t is not None]
+    from melt_eval.report.results import exit_points
+
+    beyond = exit_table(rs) if exit_points(rs) else None  # after the paper's tables: not one of them
+    return tables + [t for t in (other, mistakes, beyond) if t is not None]
