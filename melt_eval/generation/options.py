@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
-from melt_eval.cache_layout import check_kv_sharing
+from melt_eval.cache_layout import check_kv_cache_dtype, check_kv_sharing
 from melt_eval.errors import UserError
 
 
@@ -91,11 +91,18 @@ class InferenceOptions:
     share_prompt: bool = False
     prefill_chunk: int = 1
     sampling: Sampling = field(default_factory=Sampling)
+    # how the cache stores its entries (melt_eval.cache_layout.KVQuant): "auto" (the model's dtype), or KIVI's
+    # fp8 | int8 | int4; cross_loop_kv: Ouro's loops 2..T as int4 deltas from loop 1 (native engine only)
+    kv_cache_dtype: str = "auto"
+    cross_loop_kv: bool = False
 
     def __post_init__(self) -> None:
         if self.loops is not None and (not _whole(self.loops) or self.loops < 1):
             raise UserError(f"--loops must be at least 1, got {self.loops!r}")
         check_kv_sharing(self.kv_sharing)
+        check_kv_cache_dtype(self.kv_cache_dtype)
+        if not isinstance(self.cross_loop_kv, bool):
+            raise UserError(f"--cross-loop-kv is a flag, got {self.cross_loop_kv!r}")
         if not _whole(self.prefill_chunk) or self.prefill_chunk < 1:
             raise UserError(f"--prefill-chunk must be at least 1, got {self.prefill_chunk!r}")
         if not isinstance(self.sampling, Sampling):
@@ -126,4 +133,5 @@ class InferenceOptions:
     @property
     def sets_model_options(self) -> bool:
         """Whether any option beyond sampling is set (they apply to looped models only)."""
-        return self.loops is not None or bool(self.kv_sharing) or self.share_prompt or self.prefill_chunk != 1
+        return (self.loops is not None or bool(self.kv_sharing) or self.share_prompt or self.prefill_chunk != 1
+                or self.kv_cache_dtype != "auto" or self.cross_loop_kv)
