@@ -54,6 +54,8 @@ class GenerationResult:
     logprobs: list[list[list[float]]]  # same shape: log p(token) under the last loop, before sampling transforms
     peak_cache_bytes: int = 0
     num_generated_tokens: int = 0
+    analytic_cache_bytes: int = 0  # the same wave's bytes by cache_layout's formula (equal to the measured ones)
+    rows_per_wave: int = 0
     finish_reasons: list[list[str]] = field(default_factory=list)  # "stop" | "length"
 
 
@@ -279,7 +281,7 @@ def _generate(model, prompts, options: InferenceOptions, *, n, temperature, top_
     sequences: list[list[int]] = []
     logprobs: list[list[float]] = []
     finish: list[str] = []
-    peak = 0
+    peak = analytic = 0
     for start in range(0, total_rows, per_wave):
         wave = [divmod(r, n) for r in range(start, min(start + per_wave, total_rows))]
         generators = []
@@ -299,6 +301,8 @@ def _generate(model, prompts, options: InferenceOptions, *, n, temperature, top_
                 groups.append([i, 1])
         caches = _Caches(run_layout(model, kv_sharing, share_prompt, **compression), len(wave), p_max, max_new_tokens, dtype, device)
         peak = max(peak, caches.nbytes)
+        analytic = max(analytic, caches.layout.nbytes(p_max, max_new_tokens, torch.empty((), dtype=dtype).element_size())
+                       * len(wave))
         seqs, lps, fins = _decode_wave(
             model, caches, [(prompts[i], k) for i, k in groups], generators, p_max=p_max,
             max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, eos=eos, stops=stops,
@@ -316,6 +320,8 @@ def _generate(model, prompts, options: InferenceOptions, *, n, temperature, top_
         sequences=per_prompt(sequences),
         logprobs=per_prompt(logprobs),
         peak_cache_bytes=peak,
+        analytic_cache_bytes=analytic,
+        rows_per_wave=per_wave,
         num_generated_tokens=sum(len(s) for s in sequences),
         finish_reasons=per_prompt(finish),
     )
