@@ -79,9 +79,9 @@ def dequantize(codes: Tensor, scale: Tensor | None, lo: Tensor | None, dtype: st
         codes = _unpack4(codes)
     b, h, n, d = codes.shape
     if per_channel:
-        x = codes.view(b, h, n // group, group, d).to(out_dtype) * scale[:, :, :, None] + lo[:, :, :, None]
+        x = torch.addcmul(lo[:, :, :, None], codes.view(b, h, n // group, group, d).to(out_dtype), scale[:, :, :, None])
     else:
-        x = codes.view(b, h, n, d // group, group).to(out_dtype) * scale[..., None] + lo[..., None]
+        x = torch.addcmul(lo[..., None], codes.view(b, h, n, d // group, group).to(out_dtype), scale[..., None])
     return x.view(b, h, n, d)
 
 
@@ -116,9 +116,14 @@ class _Entry:
 
     def read(self, end: int, base: "_Entry | None") -> tuple[Tensor, Tensor]:
         """K and V of absolute columns [0, end) in the model's dtype (`base`: loop 1's entry a delta adds to)."""
+        ks, vs = self.parts(end, base)
+        return torch.cat(ks, dim=2), torch.cat(vs, dim=2)
+
+    def parts(self, end: int, base: "_Entry | None") -> tuple[list[Tensor], list[Tensor]]:
+        """`read`'s pieces (dequantized groups, window) uncatenated: attention joins them with the chunk in one cat."""
         t = self.tensors
         if not self.quant.quantized:
-            return t["k"][:, :, :end], t["v"][:, :, :end]
+            return [t["k"][:, :, :end]], [t["v"][:, :, :end]]
         q, g, dt = self.quant.quantized_tokens(end), self.quant.group, self.quant.dtype
         k = dequantize(t["kc"][:, :, :q], _cut(t, "ks", q // g),
                        _cut(t, "kz", q // g), dt, g, True, self.dtype)
@@ -126,7 +131,7 @@ class _Entry:
         if base is not None:
             bk, bv = base.read(q, None)
             k, v = k + bk, v + bv
-        return torch.cat([k, t["kw"][:, :, : end - q]], dim=2), torch.cat([v, t["vw"][:, :, : end - q]], dim=2)
+        return [k, t["kw"][:, :, : end - q]], [v, t["vw"][:, :, : end - q]]
 
     def append(self, start: int, k: Tensor, v: Tensor, base: "_Entry | None") -> None:
         """Commit the entries of absolute columns [start, start + c); quantize the groups that leave the window."""
@@ -192,9 +197,10 @@ class QuantizedStore:
         end = self.offset + past
         if end + k.shape[2] > self.capacity:
             raise RuntimeError(f"KV cache full: {end + k.shape[2]} > capacity {self.capacity}")
-        pk, pv = self.entries[key].read(end, self._base(key))
-        keys = torch.cat([pk[:, :, self.offset :], k.to(pk.dtype)], dim=2)
-        values = torch.cat([pv[:, :, self.offset :], v.to(pv.dtype)], dim=2)
+        pk, pv = self.entries[key].parts(end, self._base(key))
+        keys, values = torch.cat([*pk, k.to(pk[0].dtype)], dim=2), torch.cat([*pv, v.to(pv[0].dtype)], dim=2)
+        if self.offset:  # a prefill view reads its own columns only
+            keys, values = keys[:, :, self.offset :], values[:, :, self.offset :]
         return chunk_attention(q, keys, values, mask)
 
     def commit(self, finals, c: int) -> None:
