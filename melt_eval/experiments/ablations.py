@@ -25,6 +25,7 @@ from melt_eval.training.config import ADDED_FIELDS, EXECUTION_FIELDS, load_recip
 from melt_eval.training.runs import FINISHED, INTERRUPTED, run_state, train_command
 
 ABLATIONS = tuple(definitions.ABLATIONS)
+BEYOND_PAPER = tuple(definitions.BEYOND_PAPER)  # `ablate kv-compression`: rows the paper does not have
 PRESETS = {
     # recipes base, default base model, default tasks
     "paper": {"recipes": "paper", "base": "ouro-1.4b-thinking", "tasks": "ablation"},
@@ -82,8 +83,8 @@ def plan(ablation: str, preset: str = "paper", base: "str | TrainRun | None" = N
     `base` is a model name or path, or the TrainRun that makes it (the demo's teacher): run ids then
     chain through run ids, not through however the caller spelled the base model's path.
     """
-    if ablation not in ABLATIONS:
-        raise UserError(f"unknown ablation {ablation!r}; choose one of {', '.join(ABLATIONS)}")
+    if ablation not in ABLATIONS + BEYOND_PAPER:
+        raise UserError(f"unknown ablation {ablation!r}; choose one of {', '.join(ABLATIONS + BEYOND_PAPER)}")
     if preset not in PRESETS:
         raise UserError(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
     base = base or PRESETS[preset]["base"]
@@ -118,6 +119,8 @@ def _eval_command(variant: VariantPlan, runs_dir: Path, output: Path, tasks: str
     opts = variant.eval_options
     flags = [f"--kv-sharing {opts['kv_sharing']}"] if opts.get("kv_sharing") else []
     flags += ["--share-prompt"] if opts.get("share_prompt") else []
+    flags += [f"--kv-cache-dtype {opts['kv_cache_dtype']}"] if opts.get("kv_cache_dtype", "auto") != "auto" else []
+    flags += ["--cross-loop-kv"] if opts.get("cross_loop_kv") else []
     return " ".join([f"melt-eval run {tasks} --model {_eval_model(variant, runs_dir)} --backend {backend}",
                      f"--name {variant.name} --output {output / 'ablations' / variant.ablation}", *flags])
 

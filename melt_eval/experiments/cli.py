@@ -25,7 +25,8 @@ def console(width: int | None = None) -> Console:
 def register(app: typer.Typer) -> None:
     @app.command()
     def ablate(
-        ablation: str = typer.Argument(..., help="gates | components | kv-sharing"),
+        ablation: str = typer.Argument(..., help="gates | components | kv-sharing | kv-compression (beyond the paper: "
+                                       "Ouro and MELT with fp8/int8/int4 caches, Ouro's cross-loop int4 deltas)"),
         preset: Preset = typer.Option("paper", "--preset",
                                       help="paper (Ouro-1.4B, paper recipes) | tiny (CPU-sized recipes)."),
         base: Optional[str] = typer.Option(None, "--base", help="Base LoopLM (default: the preset's)."),
