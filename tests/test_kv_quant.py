@@ -242,3 +242,89 @@ def test_cli_documents_and_checks_the_flags():
     bad = subprocess.run([sys.executable, "-m", "melt_eval.cli", "run", "synthetic", "--model", "tiny-random-melt",
                           "--kv-cache-dtype", "int4", "--backend", "vllm"], capture_output=True, text=True)
     assert bad.returncode == 2 and "native only" in bad.stderr
+
+
+def _results_json(root, rel, score, stderr, **extra):
+    import json
+
+    path = root / rel / "synthetic" / "results.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"finished": True, "metrics": {"pass@1": {"value": score, "stderr": stderr}},
+                                "settings": extra.pop("settings", {"samples": 2}), **extra}))
+
+
+def test_frontier_draws_every_row_once_at_its_bytes_per_sequence(tmp_path):
+    """Each evaluated row at peak / rows, a row evaluated twice drawn once, families from where it lives,
+    the Pareto frontier, and a y-axis inside [0, 100] with one-standard-error bars."""
+    from melt_eval.report import plots
+    from melt_eval.report.results import load_results
+
+    common = dict(num_problems=8, settings={"samples": 2})
+    _results_json(tmp_path, "ouro-tiny", 0.98, 0.02, model="ouro-tiny", model_path="/ck/ouro", peak_cache_bytes=800,
+                  cache_rows=4, **common)
+    _results_json(tmp_path, "ablations/kv-sharing/ouro", 0.98, 0.02, model="ouro", model_path="/ck/ouro",
+                  peak_cache_bytes=800, cache_rows=4, **common)  # the same run: drawn once, as ouro-tiny
+    _results_json(tmp_path, "ablations/kv-sharing/last", 0.1, 0.05, model="last", model_path="/ck/ouro",
+                  peak_cache_bytes=200, cache_rows=4, num_problems=8,
+                  settings={"samples": 2, "kv_sharing": "last", "share_prompt": True})
+    _results_json(tmp_path, "ablations/components/full", 0.96, 0.03, model="full", model_path="/ck/melt",
+                  peak_cache_bytes=200, cache_rows=4, **common)
+    _results_json(tmp_path, "ablations/kv-compression/melt-int4", 0.9, 0.04, model="melt-int4", model_path="/ck/melt",
+                  peak_cache_bytes=70, cache_rows=4, num_problems=8, settings={"samples": 2, "kv_cache_dtype": "int4"})
+    _results_json(tmp_path, "ablations/kv-compression/ouro-cross-loop", 0.97, 0.02, model="ouro-cross-loop",
+                  model_path="/ck/ouro", peak_cache_bytes=480, cache_rows=4, num_problems=8,
+                  settings={"samples": 2, "cross_loop_kv": True})
+    # written before cache_rows: the native backend's batch (8 problems x 2 samples) is the wave
+    _results_json(tmp_path, "ablations/gates/mean", 0.5, 0.05, model="mean", model_path="/ck/mean", peak_cache_bytes=800,
+                  **common)
+    rs = load_results(tmp_path)
+    points = {p.label: p for p in plots.frontier_points(rs, "synthetic")}
+    assert set(points) == {"ouro-tiny", "kv-sharing: last", "components: full", "kv-compression: melt-int4",
+                           "kv-compression: ouro-cross-loop", "gates: mean"}
+    assert {label: p.family for label, p in points.items()} == {
+        "ouro-tiny": "teacher (Ouro)", "kv-sharing: last": "untrained sharing", "components: full": "MELT",
+        "kv-compression: melt-int4": "quantized cache", "kv-compression: ouro-cross-loop": "cross-loop (training-free)",
+        "gates: mean": "gates"}
+    assert points["ouro-tiny"].bytes_per_sequence == 200 and points["gates: mean"].bytes_per_sequence == 50
+    assert points["components: full"].stderr == pytest.approx(3)
+    front = [p.label for p in plots.pareto(list(points.values()))]
+    # mean (50 bytes, 50%) and last (50 bytes, 10%) are beaten by melt-int4 (17.5 bytes, 90%)
+    assert front == ["kv-compression: melt-int4", "components: full", "kv-compression: ouro-cross-loop", "ouro-tiny"]
+
+    drawn = {}
+    real_save = plots._save
+
+    def keep(fig, stem):
+        drawn["ylim"] = fig.axes[0].get_ylim()
+        drawn["legend"] = [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
+        return real_save(fig, stem)
+
+    plots._save = keep
+    try:
+        files = plots.memory_frontier(rs, tmp_path / "plots", "synthetic")
+    finally:
+        plots._save = real_save
+    assert 0 <= drawn["ylim"][0] < 5 and 95 < drawn["ylim"][1] <= 100  # 0.1 - 0.05 and 0.98 + 0.02 inside [0, 100]
+    assert sorted(drawn["legend"]) == sorted(["teacher (Ouro)", "MELT", "gates", "untrained sharing", "quantized cache",
+                                              "cross-loop (training-free)", "Pareto frontier"])  # one per family
+    assert all(p.stat().st_size > 1000 for p in files)
+
+
+def test_beyond_the_paper_table_sits_beside_the_papers_tables(tmp_path):
+    from melt_eval.report.results import load_results
+    from melt_eval.report.tables import build_tables
+
+    _results_json(tmp_path, "ablations/kv-sharing/ouro", 0.9, 0.02, model="ouro", model_path="/ck/ouro",
+                  peak_cache_bytes=4 * 2**20, cache_rows=4, num_problems=8)
+    _results_json(tmp_path, "ablations/kv-compression/ouro-int4", 0.8, 0.03, model="ouro-int4", model_path="/ck/ouro",
+                  peak_cache_bytes=2**20, analytic_cache_bytes=2**20, cache_rows=4, num_problems=8,
+                  settings={"samples": 2, "kv_cache_dtype": "int4"})
+    tables = {t.key: t for t in build_tables(load_results(tmp_path))}
+    assert {"gates", "components", "kv-sharing"} <= set(tables)
+    table = tables["beyond-the-paper"]
+    rows = {r.stub[1]: r.cells for r in table.rows}
+    ouro, int4 = rows["Ouro"], rows["Ouro, int4 cache"]
+    assert ouro[0].value == pytest.approx(90) and ouro[1].value == pytest.approx(1.048576)  # borrowed from kv-sharing
+    assert int4[1].value == int4[2].value == pytest.approx(0.262144) and int4[3].value == pytest.approx(0.25)
+    assert int4[4].text == "-10.0"  # no per-problem scores kept: the gap without its paired error
+    assert rows["MELT, int8 cache"][0].value is None  # not run: n/a, not invented

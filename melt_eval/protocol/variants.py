@@ -106,15 +106,15 @@ ABLATIONS: dict[str, Ablation] = {a.name: a for a in (GATES, COMPONENTS, KV_SHAR
 # numbers: `paper_key` is empty, and these rows are not among ABLATIONS (the paper's tables and checks).
 _MELT = {"phase1": {}, "phase2": {}, "fallback": ("components", "full")}
 KV_COMPRESSION = Ablation("kv-compression", "", "Beyond the paper: compressed KV caches", "KV cache", (
-    Variant("kv-compression", "ouro", "Ouro", "", eval_options={}, fallback=("kv-sharing", "ouro")),
-    Variant("kv-compression", "ouro-fp8", "Ouro, fp8 cache", "", eval_options={"kv_cache_dtype": "fp8"}),
-    Variant("kv-compression", "ouro-int8", "Ouro, int8 cache", "", eval_options={"kv_cache_dtype": "int8"}),
-    Variant("kv-compression", "ouro-int4", "Ouro, int4 cache", "", eval_options={"kv_cache_dtype": "int4"}),
-    Variant("kv-compression", "ouro-cross-loop", "Ouro, cross-loop int4 deltas", "", eval_options={"cross_loop_kv": True}),
-    Variant("kv-compression", "melt", "MELT", "", **_MELT),
-    Variant("kv-compression", "melt-fp8", "MELT, fp8 cache", "", eval_options={"kv_cache_dtype": "fp8"}, **_MELT),
-    Variant("kv-compression", "melt-int8", "MELT, int8 cache", "", eval_options={"kv_cache_dtype": "int8"}, **_MELT),
-    Variant("kv-compression", "melt-int4", "MELT, int4 cache", "", eval_options={"kv_cache_dtype": "int4"}, **_MELT),
+    Variant("kv-compression", "ouro", "", "Ouro", eval_options={}, fallback=("kv-sharing", "ouro")),
+    Variant("kv-compression", "ouro-fp8", "", "Ouro, fp8 cache", eval_options={"kv_cache_dtype": "fp8"}),
+    Variant("kv-compression", "ouro-int8", "", "Ouro, int8 cache", eval_options={"kv_cache_dtype": "int8"}),
+    Variant("kv-compression", "ouro-int4", "", "Ouro, int4 cache", eval_options={"kv_cache_dtype": "int4"}),
+    Variant("kv-compression", "ouro-cross-loop", "", "Ouro, cross-loop int4 deltas", eval_options={"cross_loop_kv": True}),
+    Variant("kv-compression", "melt", "", "MELT", **_MELT),
+    Variant("kv-compression", "melt-fp8", "", "MELT, fp8 cache", eval_options={"kv_cache_dtype": "fp8"}, **_MELT),
+    Variant("kv-compression", "melt-int8", "", "MELT, int8 cache", eval_options={"kv_cache_dtype": "int8"}, **_MELT),
+    Variant("kv-compression", "melt-int4", "", "MELT, int4 cache", eval_options={"kv_cache_dtype": "int4"}, **_MELT),
 ))
 BEYOND_PAPER: dict[str, Ablation] = {KV_COMPRESSION.name: KV_COMPRESSION}
 
