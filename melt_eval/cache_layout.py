@@ -93,7 +93,12 @@ class KVQuant:
         if not self.quantized:
             return tokens * self.bytes_per_token(head_dim, kv_heads, bytes_per_value)
         full = 2 * kv_heads * head_dim * bytes_per_value
-        return self.quantized_tokens(tokens) * self.bytes_per_token(head_dim, kv_heads, bytes_per_value) + self.window * full
+        return (self.quantized_tokens(tokens) * self.bytes_per_token(head_dim, kv_heads, bytes_per_value)
+                + self.window_for(tokens) * full)
+
+    def window_for(self, capacity: int) -> int:
+        """Window tokens allocated for a capacity: at most `window` are ever unquantized, and never more than the capacity."""
+        return min(self.window, capacity)
 
     def check_head_dim(self, head_dim: int) -> None:
         if self.quantized and self.dtype != "fp8" and head_dim % self.group:

@@ -99,8 +99,8 @@ class _Entry:
         code_dim = head_dim * KV_BITS[quant.dtype] // 8
         t = {"kc": torch.zeros(batch, kv_heads, q, code_dim, dtype=code_dtype, device=device),
              "vc": torch.zeros(batch, kv_heads, q, code_dim, dtype=code_dtype, device=device),
-             "kw": torch.zeros(batch, kv_heads, quant.window, head_dim, dtype=dtype, device=device),
-             "vw": torch.zeros(batch, kv_heads, quant.window, head_dim, dtype=dtype, device=device)}
+             "kw": torch.zeros(batch, kv_heads, quant.window_for(capacity), head_dim, dtype=dtype, device=device),
+             "vw": torch.zeros(batch, kv_heads, quant.window_for(capacity), head_dim, dtype=dtype, device=device)}
         if quant.dtype != "fp8":
             for name in ("ks", "kz"):  # keys: per channel, one per group of g tokens
                 t[name] = torch.zeros(batch, kv_heads, q // g, head_dim, dtype=dtype, device=device)
