@@ -279,17 +279,17 @@ def test_frontier_draws_every_row_once_at_its_bytes_per_sequence(tmp_path):
                   **common)
     rs = load_results(tmp_path)
     points = {p.label: p for p in plots.frontier_points(rs, "synthetic")}
-    assert set(points) == {"ouro-tiny", "kv-sharing: last", "components: full", "kv-compression: melt-int4",
-                           "kv-compression: ouro-cross-loop", "gates: mean"}
+    assert set(points) == {"ouro-tiny", "kv-sharing: last", "components: full", "melt-int4",
+                           "ouro-cross-loop", "gates: mean"}
     assert {label: p.family for label, p in points.items()} == {
         "ouro-tiny": "teacher (Ouro)", "kv-sharing: last": "untrained sharing", "components: full": "MELT",
-        "kv-compression: melt-int4": "quantized cache", "kv-compression: ouro-cross-loop": "cross-loop (training-free)",
+        "melt-int4": "quantized cache", "ouro-cross-loop": "cross-loop (training-free)",
         "gates: mean": "gates"}
     assert points["ouro-tiny"].bytes_per_sequence == 200 and points["gates: mean"].bytes_per_sequence == 50
     assert points["components: full"].stderr == pytest.approx(3)
     front = [p.label for p in plots.pareto(list(points.values()))]
     # mean (50 bytes, 50%) and last (50 bytes, 10%) are beaten by melt-int4 (17.5 bytes, 90%)
-    assert front == ["kv-compression: melt-int4", "components: full", "kv-compression: ouro-cross-loop", "ouro-tiny"]
+    assert front == ["melt-int4", "components: full", "ouro-cross-loop", "ouro-tiny"]
 
     drawn = {}
     real_save = plots._save

@@ -313,7 +313,8 @@ def frontier_points(rs: ResultSet, task: str) -> list[FrontierPoint]:
         seen.add(key)
         metric = r.metric("accuracy") or r.metric("pass@1")
         se = None if metric is None or metric[1] is None else 100 * metric[1]
-        label = _display(r.model) if where is None else f"{where[0]}: {where[1]}"
+        # the compressed rows' names say what they are ("melt-int4"); the others' say their table
+        label = _display(r.model) if where is None else where[1] if where[0] == "kv-compression" else f"{where[0]}: {where[1]}"
         points.append(FrontierPoint(label, _family(where, r), per_seq, got, se))
     return points
 
