@@ -19,7 +19,7 @@ A new layout (a quantized cache, fewer KV heads) is a new entry here plus its st
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from melt_eval.errors import UserError
 
@@ -30,6 +30,80 @@ BF16_BYTES = 2
 # vLLM `--hf-overrides` keys the plugin reads (vLLM passes the config on, not the harness's options)
 KV_SHARING_KEY = "melt_eval_kv_sharing"
 PREFILL_CHUNK_KEY = "melt_eval_prefill_chunk"
+
+
+# Quantized caches (docs/method.md#quantized-caches): KIVI's scheme (Liu et al., 2024). Keys are quantized per
+# channel over groups of KV_GROUP tokens, values per token over groups of KV_GROUP channels, each group with a
+# scale and a minimum in the model's dtype; fp8 (e4m3) casts each value, no scales. The last KV_RESIDUAL
+# committed tokens stay in full precision (a window of up to KV_RESIDUAL + KV_GROUP - 1 tokens: a key group is
+# quantized once all its KV_GROUP tokens are older than the window). "auto": the model's dtype, unquantized.
+KV_CACHE_DTYPES = ("auto", "fp8", "int8", "int4")
+KV_BITS = {"fp8": 8, "int8": 8, "int4": 4}
+KV_GROUP = 32
+KV_RESIDUAL = 32
+CROSS_LOOP = "cross-loop"  # Ouro's training-free cross-loop cache (FlashLoop-style): loop 1 full, later loops int4 deltas
+
+
+def check_kv_cache_dtype(value, flag: str = "--kv-cache-dtype") -> None:
+    if value not in KV_CACHE_DTYPES:
+        raise LayoutError(f"{flag} must be {' | '.join(KV_CACHE_DTYPES)}, got {value!r}")
+
+
+@dataclass(frozen=True)
+class KVQuant:
+    """How one store key's K and V are kept: `dtype` (KV_CACHE_DTYPES) with KIVI's group and window.
+
+    `bytes_for(tokens, head_dim, kv_heads, bytes_per_value)` is the exact size of the tensors the native
+    engine's quantized store allocates for a capacity of `tokens` (K and V of one key)."""
+
+    dtype: str = "auto"
+    group: int = KV_GROUP
+    residual: int = KV_RESIDUAL
+
+    @property
+    def quantized(self) -> bool:
+        return self.dtype != "auto"
+
+    @property
+    def window(self) -> int:
+        """Full-precision tokens kept per key (the recent window and the group being filled)."""
+        return self.residual + self.group - 1
+
+    def quantized_tokens(self, length: int) -> int:
+        """Tokens of a sequence of `length` held quantized: whole groups older than the residual window."""
+        return max(0, (length - self.residual) // self.group) * self.group
+
+    def code_bytes(self, head_dim: int) -> int:
+        """Bytes of one token's codes for K (or V) on one head: head_dim values at KV_BITS bits."""
+        return head_dim * KV_BITS[self.dtype] // 8
+
+    def scale_values(self, head_dim: int) -> int:
+        """Scale + minimum values per token and head for K (or V): 2 x head_dim / group (keys: one pair per
+        channel per `group` tokens; values: one pair per token per `group` channels); fp8 has none."""
+        return 0 if self.dtype == "fp8" else 2 * head_dim // self.group
+
+    def bytes_per_token(self, head_dim: int, kv_heads: int, bytes_per_value: int = BF16_BYTES) -> int:
+        """K and V bytes of one quantized token on one key (the asymptotic per-token cost)."""
+        if not self.quantized:
+            return 2 * kv_heads * head_dim * bytes_per_value
+        return 2 * kv_heads * (self.code_bytes(head_dim) + self.scale_values(head_dim) * bytes_per_value)
+
+    def bytes_for(self, tokens: int, head_dim: int, kv_heads: int, bytes_per_value: int = BF16_BYTES) -> int:
+        """K and V bytes allocated for a capacity of `tokens` on one key: quantized groups plus the window."""
+        if not self.quantized:
+            return tokens * self.bytes_per_token(head_dim, kv_heads, bytes_per_value)
+        full = 2 * kv_heads * head_dim * bytes_per_value
+        return (self.quantized_tokens(tokens) * self.bytes_per_token(head_dim, kv_heads, bytes_per_value)
+                + self.window_for(tokens) * full)
+
+    def window_for(self, capacity: int) -> int:
+        """Window tokens allocated for a capacity: at most `window` are ever unquantized, and never more than the capacity."""
+        return min(self.window, capacity)
+
+    def check_head_dim(self, head_dim: int) -> None:
+        if self.quantized and self.dtype != "fp8" and head_dim % self.group:
+            raise LayoutError(f"--kv-cache-dtype {self.dtype} groups channels by {self.group}; this model's head_dim "
+                              f"{head_dim} is not a multiple of it")
 
 
 class LayoutError(UserError, ValueError):
@@ -54,6 +128,19 @@ class CacheLayout:
     kv_heads: int
     head_dim: int
     gate: str | None = None  # what a shared cache is updated by: MELT's gate kind, or Ouro's "first"/"last"
+    quant: KVQuant = KVQuant()  # how each entry is stored (--kv-cache-dtype)
+    cross_loop: bool = False  # Ouro's per-loop cache with loops 2..T as int4 deltas from loop 1 (--cross-loop-kv)
+
+    @property
+    def compressed(self) -> bool:
+        """Whether the engine keeps this cache in a quantized store (`melt_eval.modeling.kv_quant`)."""
+        return self.quant.quantized or self.cross_loop
+
+    def key_quant(self, key) -> KVQuant:
+        """How one store key is kept: the run's dtype, or for the cross-loop cache loop 1 full and later loops int4."""
+        if self.cross_loop:
+            return KVQuant("int4") if key[1] > 0 else KVQuant()
+        return self.quant
 
     @property
     def shares_across_loops(self) -> bool:
@@ -79,17 +166,29 @@ class CacheLayout:
 
     def nbytes(self, prompt_tokens: int, generated_tokens: int = 0, bytes_per_value: int = BF16_BYTES) -> int:
         """Bytes of K and V for one sequence: 2 x layers x entries x kv_heads x head_dim x bytes per value."""
+        if self.compressed:  # the quantized store: each key's groups and window, for P + G tokens
+            keys = self.store_keys()[0]
+            return sum(self.key_quant(key).bytes_for(prompt_tokens + generated_tokens, self.head_dim, self.kv_heads,
+                                                     bytes_per_value) for key in keys)
         prompt, generated = self.entries_per_token()
         entries = self.layers * (prompt * prompt_tokens + generated * generated_tokens)
         return 2 * entries * self.kv_heads * self.head_dim * bytes_per_value
 
     def bytes_per_token(self, bytes_per_value: int = BF16_BYTES) -> int:
-        """Bytes per generated token (the memory table's and the registry's figure)."""
+        """Bytes per generated token (the memory table's and the registry's figure); for a quantized cache the
+        per-token cost of its quantized groups (codes + scales), the window being a fixed cost per key."""
+        if self.compressed:
+            return sum(self.key_quant(key).bytes_per_token(self.head_dim, self.kv_heads, bytes_per_value)
+                       for key in self.store_keys()[0])
         return self.nbytes(0, 1, bytes_per_value)
 
     def describe(self) -> str:
         if self.shares_across_loops and not self.prompt_shared:
             return f"{self.loops} loops x {self.layers} layers for the prompt, {self.layers} layers shared across loops after it"
+        if self.cross_loop:
+            return f"{self.loops} loops x {self.layers} layers, loops 2..{self.loops} as int4 deltas from loop 1"
+        if self.quant.quantized:
+            return f"{replace(self, quant=KVQuant()).describe()}, {self.quant.dtype}"
         if self.kind == "per_loop":
             return f"{self.loops} loops x {self.layers} layers"
         return f"{self.layers} layers, shared across loops" if self.kind == "shared" else f"{self.layers} layers"
@@ -110,6 +209,8 @@ class CacheLayout:
     def vllm_overrides(self, kv_sharing: str | None, prefill_chunk: int | None) -> dict:
         """The `--hf-overrides` that tell the plugin this layout (the loop count is the config's own)."""
         self.vllm_caches()
+        if self.cross_loop:
+            raise LayoutError("--cross-loop-kv runs on --backend native only")
         overrides = {}
         if kv_sharing is not None:
             overrides[KV_SHARING_KEY] = kv_sharing
@@ -138,6 +239,28 @@ def cache_layout(model_type: str | None, *, loops: int, layers: int, kv_heads: i
         return CacheLayout("per_loop", loops, layers, kv_heads, head_dim)
     kind = "shared" if share_prompt else "generated_shared"
     return CacheLayout(kind, loops, layers, kv_heads, head_dim, gate=kv_sharing)
+
+
+def compressed_layout(layout: CacheLayout, kv_cache_dtype: str = "auto", cross_loop: bool = False) -> CacheLayout:
+    """`layout` stored quantized (--kv-cache-dtype) or as Ouro's cross-loop deltas (--cross-loop-kv); the one
+    error for a combination the quantized store does not take."""
+    check_kv_cache_dtype(kv_cache_dtype)
+    quant = KVQuant(kv_cache_dtype)
+    if cross_loop:
+        if layout.kind != "per_loop" or layout.loops < 2:
+            raise LayoutError("--cross-loop-kv compresses Ouro's per-loop cache (loops >= 2, no --kv-sharing); "
+                              f"this run's cache is {layout.kind} with {layout.loops} loop(s)")
+        if quant.quantized:
+            raise LayoutError("--cross-loop-kv keeps loop 1 in the model's dtype; leave --kv-cache-dtype auto")
+        KVQuant("int4").check_head_dim(layout.head_dim)
+        return replace(layout, cross_loop=True)
+    if not quant.quantized:
+        return layout
+    if layout.kind == "generated_shared":
+        raise LayoutError("--kv-cache-dtype applies to one-store caches; the 'w/ prefill' KV sharing keeps two, "
+                          "pass --share-prompt or leave --kv-cache-dtype auto")
+    quant.check_head_dim(layout.head_dim)
+    return replace(layout, quant=quant)
 
 
 def layout_of(config, *, loops: int | None = None, kv_sharing: str | None = None, share_prompt: bool = False) -> CacheLayout:

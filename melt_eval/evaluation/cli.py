@@ -10,7 +10,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from melt_eval.cache_layout import KV_SHARING
+from melt_eval.cache_layout import KV_CACHE_DTYPES, KV_SHARING
 from melt_eval.units import byte_size
 
 # The fixed sets options choose from, spelled as the library spells them (tests/test_cli_flags.py checks them
@@ -18,6 +18,7 @@ from melt_eval.units import byte_size
 # Options typed with these Literals take one of their values (click's error names them, exit 2).
 Backend = Literal["native", "vllm", "endpoint"]
 KvSharing = Literal[tuple(v for v in KV_SHARING if v is not None)]  # first | last
+KvCacheDtype = Literal[KV_CACHE_DTYPES]  # auto | fp8 | int8 | int4
 Dtype = Literal["auto", "bfloat16", "float16", "float32"]
 TableOrJson = Literal["table", "json"]
 # Width of a console writing into a pipe or file: wide enough that no cell is cut ("tiny-…").
@@ -90,6 +91,15 @@ def register(app: typer.Typer) -> None:
             help="Early exit of generated tokens (native engine; the prompt keeps full depth): gate:Q stops a token "
                  "at the first loop where Ouro's cumulative exit probability reaches Q (0 < Q <= 1), agree:K once its "
                  "top token stays the same K more loops (K >= 1). Default: none, every loop (= gate:1)."),
+        kv_cache_dtype: KvCacheDtype = typer.Option(
+            "auto", "--kv-cache-dtype", rich_help_panel=MODEL,
+            help="How the KV cache stores entries: auto (the model's dtype) | fp8 | int8 | int4 (KIVI: keys per "
+                 "channel, values per token, groups of 32, the last 32 tokens in full precision; native engine; "
+                 "--backend vllm takes fp8). See docs/evaluation.md#quantized-kv-caches."),
+        cross_loop_kv: bool = typer.Option(
+            False, "--cross-loop-kv", rich_help_panel=MODEL,
+            help="Ouro, training-free: keep loop 1's KV in full precision and loops 2..T as int4 deltas from it "
+                 "(FlashLoop's idea; native engine; default: off)."),
         samples: Optional[int] = typer.Option(None, "--samples", rich_help_panel=GENERATION,
                                               help="Samples per problem (default: the paper's, per task)."),
         temperature: float = typer.Option(1.0, "--temperature", rich_help_panel=GENERATION,
@@ -149,6 +159,7 @@ def register(app: typer.Typer) -> None:
 
         options = InferenceOptions(
             loops=loops, kv_sharing=kv_sharing, share_prompt=share_prompt, prefill_chunk=prefill_chunk, exit=exit,
+            kv_cache_dtype=kv_cache_dtype, cross_loop_kv=cross_loop_kv,
             sampling=Sampling(samples=samples, temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens,
                               seed=seed),
         )

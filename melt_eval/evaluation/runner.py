@@ -264,6 +264,7 @@ class LoadedModel:
         if self.model is not None:
             plan_waves(self.model, prompt_tokens=1, max_new_tokens=sampling.max_new_tokens, rows=1,
                        kv_sharing=self.options.kv_sharing, share_prompt=self.options.share_prompt,
+                       kv_cache_dtype=self.options.kv_cache_dtype, cross_loop_kv=self.options.cross_loop_kv,
                        max_cache_bytes=self.backend_config.max_cache_bytes,
                        allow_beyond_max_positions=self.backend_config.allow_beyond_max_positions)
 
@@ -354,6 +355,9 @@ def run_tasks(
             }
             if options.exit is not None:  # absent otherwise: earlier runs (all loops) keep their identity
                 run_settings["exit"] = options.exit
+            # a compressed cache changes the samples; the keys appear only when set, so earlier results resume
+            run_settings.update({k: v for k, v in (("kv_cache_dtype", options.kv_cache_dtype),
+                                                   ("cross_loop_kv", options.cross_loop_kv)) if v not in ("auto", False)})
             run_settings.update(loaded.backend_settings())
             identity = {"model": loaded.display, "task": task, "model_path": str(loaded.model_dir.resolve()),
                         "config_hash": loaded.config_hash, "settings": run_settings}

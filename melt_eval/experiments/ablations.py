@@ -25,7 +25,7 @@ from melt_eval.training.config import ADDED_FIELDS, EXECUTION_FIELDS, load_recip
 from melt_eval.training.runs import FINISHED, INTERRUPTED, run_state, train_command
 
 ABLATIONS = tuple(definitions.ABLATIONS)
-BEYOND_PAPER = tuple(definitions.BEYOND_PAPER)  # `ablate exit`: not the paper's, not in the demo's plan
+BEYOND_PAPER = tuple(definitions.BEYOND_PAPER)  # `ablate exit`, `ablate kv-compression`: not the paper's rows, not in the demo's plan
 # The models `ablate exit` sweeps, each evaluated as is (results/ablations/exit/<model>/<variant>/)
 EXIT_MODELS = {"paper": ("ouro-1.4b-thinking", "melt-1.6b"), "tiny": ("tiny-random-ouro", "tiny-random-melt")}
 PRESETS = {
@@ -136,6 +136,8 @@ def _eval_command(variant: VariantPlan, runs_dir: Path, output: Path, tasks: str
     flags = [f"--kv-sharing {opts['kv_sharing']}"] if opts.get("kv_sharing") else []
     flags += ["--share-prompt"] if opts.get("share_prompt") else []
     flags += [f"--exit {opts['exit']}"] if opts.get("exit") else []
+    flags += [f"--kv-cache-dtype {opts['kv_cache_dtype']}"] if opts.get("kv_cache_dtype", "auto") != "auto" else []
+    flags += ["--cross-loop-kv"] if opts.get("cross_loop_kv") else []
     return " ".join([f"melt-eval run {tasks} --model {_eval_model(variant, runs_dir)} --backend {backend}",
                      f"--name {variant.name} --output {output / 'ablations' / variant.ablation}", *flags])
 

@@ -71,6 +71,14 @@ class NativeBackend:
         self.batch_rows = batch_rows
         self.max_cache_bytes, self.allow_beyond_max_positions = max_cache_bytes, allow_beyond_max_positions
         self.peak_cache_bytes = 0
+        self.cache_info: dict = {}
+
+    def describe(self) -> dict:
+        """The measured peak's analytic twin and its rows (per sequence = peak / rows), with the cache's storage."""
+        if not self.looped:
+            return {}
+        return {**self.cache_info, "kv_cache_dtype": self.options.kv_cache_dtype,
+                "cross_loop_kv": self.options.cross_loop_kv}
 
     def problems_per_batch(self, samples: int) -> int:
         return max(1, self.batch_rows // samples)
@@ -90,6 +98,9 @@ class NativeBackend:
                 max_new_tokens=s.max_new_tokens, seed=seeds, eos_token_id=eos,
                 max_cache_bytes=self.max_cache_bytes, allow_beyond_max_positions=self.allow_beyond_max_positions,
             )
+            if res.peak_cache_bytes >= self.peak_cache_bytes:  # the analytic figure of the measured peak's wave
+                self.cache_info = {"analytic_cache_bytes": res.analytic_cache_bytes,
+                                   "cache_rows": min(res.rows_per_wave, len(prompts) * s.samples)}
             self.peak_cache_bytes = max(self.peak_cache_bytes, res.peak_cache_bytes)
             texts = [[self._decode(seq) for seq in per] for per in res.sequences]
             tokens = [sum(len(seq) for seq in per) for per in res.sequences]
@@ -283,8 +294,13 @@ def check_backend_settings(options: InferenceOptions, settings: BackendSettings)
         raise UserError(f"--exit runs on the native engine only (--backend {kind} runs every loop); "
                         "use --backend native or drop --exit")
     if kind == "endpoint" and options.sets_model_options:
-        raise UserError("--loops, --kv-sharing, --share-prompt and --prefill-chunk are the server's settings with "
-                        "--backend endpoint: pass them to `melt-eval serve` and drop them here")
+        raise UserError("--loops, --kv-sharing, --share-prompt, --prefill-chunk, --kv-cache-dtype and --cross-loop-kv "
+                        "are the server's settings with --backend endpoint: pass them to `melt-eval serve` (or leave "
+                        "them out) and drop them here")
+    if kind == "vllm" and options.kv_cache_dtype in ("int8", "int4"):
+        raise UserError(f"--kv-cache-dtype {options.kv_cache_dtype} runs on --backend native only (vLLM takes auto or fp8)")
+    if kind == "vllm" and options.cross_loop_kv:
+        raise UserError("--cross-loop-kv runs on --backend native only")
     # vLLM's untrained KV sharing covers the prompt (--share-prompt); cache_layout refuses the other form there
 
 

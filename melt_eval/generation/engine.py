@@ -31,9 +31,10 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from melt_eval.errors import UserError
 from melt_eval.generation.options import InferenceOptions, Sampling
-from melt_eval.cache_layout import CacheLayout, layout_of
+from melt_eval.cache_layout import CacheLayout, compressed_layout, layout_of
 from melt_eval.modeling import early_exit
 from melt_eval.modeling.kv_cache import StaticStore, policy_for
+from melt_eval.modeling.kv_quant import QuantizedStore
 from melt_eval.modeling.looplm import LoopLMForCausalLM
 from melt_eval.units import format_bytes
 
@@ -54,6 +55,8 @@ class GenerationResult:
     logprobs: list[list[list[float]]]  # same shape: log p(token) under the last loop, before sampling transforms
     peak_cache_bytes: int = 0
     num_generated_tokens: int = 0
+    analytic_cache_bytes: int = 0  # the same wave's bytes by cache_layout's formula (equal to the measured ones)
+    rows_per_wave: int = 0
     finish_reasons: list[list[str]] = field(default_factory=list)  # "stop" | "length"
     # with options.exit: [prompt][sample] -> tokens that ran 1, 2, ..., T loops (decode steps; the prompt's
     # full-depth prefill not counted); None without early exit
@@ -111,22 +114,23 @@ def default_cache_budget(device) -> int:
     return int(free_device_bytes(device) * CACHE_SHARE.get(kind, 0.5))
 
 
-def run_layout(model, kv_sharing=None, share_prompt=False) -> CacheLayout:
+def run_layout(model, kv_sharing=None, share_prompt=False, kv_cache_dtype="auto", cross_loop_kv=False) -> CacheLayout:
     """The cache of a generation run: the model's layout with the run's options (a LayoutError if they do not fit)."""
-    return layout_of(model.config, kv_sharing=kv_sharing, share_prompt=share_prompt)
+    layout = layout_of(model.config, kv_sharing=kv_sharing, share_prompt=share_prompt)
+    return compressed_layout(layout, kv_cache_dtype, cross_loop_kv)
 
 
 def cache_bytes_per_row(model, prompt_tokens: int, max_new_tokens: int, *, kv_sharing=None, share_prompt=False,
-                        dtype=None) -> int:
+                        dtype=None, kv_cache_dtype="auto", cross_loop_kv=False) -> int:
     """Bytes of cache one (prompt, sample) row takes: the shapes `_Caches` allocates, without allocating."""
     dtype = dtype or model.lm_head.weight.dtype
-    return run_layout(model, kv_sharing, share_prompt).nbytes(
+    return run_layout(model, kv_sharing, share_prompt, kv_cache_dtype, cross_loop_kv).nbytes(
         prompt_tokens, max_new_tokens, bytes_per_value=torch.empty((), dtype=dtype).element_size())
 
 
 def plan_waves(model, *, prompt_tokens: int, max_new_tokens: int, rows: int, kv_sharing=None, share_prompt=False,
                max_cache_bytes: int | None = None, allow_beyond_max_positions: bool = False, dtype=None,
-               device=None) -> int:
+               device=None, kv_cache_dtype="auto", cross_loop_kv=False) -> int:
     """Rows per wave for `rows` rows of `prompt_tokens` + `max_new_tokens` within the cache budget.
 
     Refuses (GenerationRequestError) what cannot run: positions beyond the model's
@@ -152,9 +156,10 @@ def plan_waves(model, *, prompt_tokens: int, max_new_tokens: int, rows: int, kv_
     if max_cache_bytes is None:
         max_cache_bytes = default_cache_budget(device if device is not None else model.lm_head.weight.device)
     per_row = cache_bytes_per_row(model, prompt_tokens, max_new_tokens, kv_sharing=kv_sharing,
-                                  share_prompt=share_prompt, dtype=dtype)
+                                  share_prompt=share_prompt, dtype=dtype, kv_cache_dtype=kv_cache_dtype,
+                                  cross_loop_kv=cross_loop_kv)
     if per_row > max_cache_bytes:
-        layout = run_layout(model, kv_sharing, share_prompt).describe()
+        layout = run_layout(model, kv_sharing, share_prompt, kv_cache_dtype, cross_loop_kv).describe()
         raise GenerationRequestError(
             f"one sample's KV cache needs {format_bytes(per_row)} ({layout}, {prompt_tokens} prompt + "
             f"{max_new_tokens} new tokens), more than the cache budget of {format_bytes(max_cache_bytes)}; "
@@ -171,7 +176,12 @@ class _Caches:
         prompt_keys, generated_keys = layout.store_keys()
         self.layout = layout
         self.hybrid = prompt_keys != generated_keys  # the "w/ prefill" baselines: a store for each
-        if self.hybrid:
+        self.store_type = StaticStore
+        if layout.compressed:  # one quantized store (cache_layout refuses the hybrid layout quantized)
+            self.store_type = QuantizedStore
+            self.store = QuantizedStore(layout, prompt_keys, capacity=p_max + max_new, **dims)
+            self.stores = [self.store]
+        elif self.hybrid:
             self.prompt_store = StaticStore(prompt_keys, capacity=p_max, **dims)
             self.gen_store = StaticStore(generated_keys, capacity=max_new, **dims)
             self.stores = [self.prompt_store, self.gen_store]
@@ -185,7 +195,7 @@ class _Caches:
 
     def prefill_policy(self, rows: slice, start: int):
         """Policy writing one prompt into its rows, from column `start`."""
-        return policy_for(self.layout, StaticStore.view_of(self.prompt_store if self.hybrid else self.store, rows, start))
+        return policy_for(self.layout, self.store_type.view_of(self.prompt_store if self.hybrid else self.store, rows, start))
 
     def decode_policy(self):
         if self.hybrid:
@@ -233,7 +243,8 @@ def generate(
     """
     if not isinstance(model, LoopLMForCausalLM):
         raise TypeError("the native engine runs LoopLM and MELT models; use transformers' generate for others")
-    run_layout(model, options.kv_sharing, options.share_prompt)  # refuses an option the model's cache does not take
+    # refuses an option the model's cache does not take
+    run_layout(model, options.kv_sharing, options.share_prompt, options.kv_cache_dtype, options.cross_loop_kv)
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt needs at least one token")
     # the run options' check, its errors naming this call's arguments
@@ -255,6 +266,7 @@ def generate(
 def _generate(model, prompts, options: InferenceOptions, *, n, temperature, top_p, max_new_tokens, seed, eos_token_id,
               stop, callback, max_cache_bytes, allow_beyond_max_positions) -> GenerationResult:
     kv_sharing, share_prompt = options.kv_sharing, options.share_prompt
+    compression = dict(kv_cache_dtype=options.kv_cache_dtype, cross_loop_kv=options.cross_loop_kv)
 
     device, dtype = model.lm_head.weight.device, model.lm_head.weight.dtype
     num_prompts = len(prompts)
@@ -265,7 +277,8 @@ def _generate(model, prompts, options: InferenceOptions, *, n, temperature, top_
     total_rows = num_prompts * n  # row r is sample r % n of prompt r // n, in output order
     per_wave = plan_waves(model, prompt_tokens=p_max, max_new_tokens=max_new_tokens, rows=total_rows,
                           kv_sharing=kv_sharing, share_prompt=share_prompt, max_cache_bytes=max_cache_bytes,
-                          allow_beyond_max_positions=allow_beyond_max_positions, dtype=dtype, device=device)
+                          allow_beyond_max_positions=allow_beyond_max_positions, dtype=dtype, device=device,
+                          **compression)
     eos = set([eos_token_id] if isinstance(eos_token_id, int) else (eos_token_id or []))
     stops = [list(s) for s in (stop or []) if len(s)]
 
@@ -273,7 +286,7 @@ def _generate(model, prompts, options: InferenceOptions, *, n, temperature, top_
     logprobs: list[list[float]] = []
     finish: list[str] = []
     counts: list[list[int]] = []
-    peak = 0
+    peak = analytic = 0
     for start in range(0, total_rows, per_wave):
         wave = [divmod(r, n) for r in range(start, min(start + per_wave, total_rows))]
         generators = []
@@ -291,8 +304,10 @@ def _generate(model, prompts, options: InferenceOptions, *, n, temperature, top_
                 groups[-1][1] += 1
             else:
                 groups.append([i, 1])
-        caches = _Caches(run_layout(model, kv_sharing, share_prompt), len(wave), p_max, max_new_tokens, dtype, device)
+        caches = _Caches(run_layout(model, kv_sharing, share_prompt, **compression), len(wave), p_max, max_new_tokens, dtype, device)
         peak = max(peak, caches.nbytes)
+        analytic = max(analytic, caches.layout.nbytes(p_max, max_new_tokens, torch.empty((), dtype=dtype).element_size())
+                       * len(wave))
         seqs, lps, fins, wave_counts = _decode_wave(
             model, caches, [(prompts[i], k) for i, k in groups], generators, p_max=p_max,
             max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, eos=eos, stops=stops,
@@ -312,6 +327,8 @@ def _generate(model, prompts, options: InferenceOptions, *, n, temperature, top_
         sequences=per_prompt(sequences),
         logprobs=per_prompt(logprobs),
         peak_cache_bytes=peak,
+        analytic_cache_bytes=analytic,
+        rows_per_wave=per_wave,
         num_generated_tokens=sum(len(s) for s in sequences),
         finish_reasons=per_prompt(finish),
         loop_counts=per_prompt(counts) if options.exit_rule else None,

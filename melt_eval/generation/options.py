@@ -14,7 +14,7 @@ import math
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from melt_eval.cache_layout import check_kv_sharing
+from melt_eval.cache_layout import check_kv_cache_dtype, check_kv_sharing
 from melt_eval.errors import UserError
 from melt_eval.files import TRAINING_META
 
@@ -98,14 +98,24 @@ class InferenceOptions:
     prefill_chunk: int | None = None
     sampling: Sampling = field(default_factory=Sampling)
     exit: str | None = None  # early exit of generated tokens: "gate:Q" | "agree:K" (None: all loops)
+    # how the cache stores its entries (melt_eval.cache_layout.KVQuant): "auto" (the model's dtype), or KIVI's
+    # fp8 | int8 | int4; cross_loop_kv: Ouro's loops 2..T as int4 deltas from loop 1 (native engine only)
+    kv_cache_dtype: str = "auto"
+    cross_loop_kv: bool = False
 
     def __post_init__(self) -> None:
         if self.loops is not None and (not _whole(self.loops) or self.loops < 1):
             raise UserError(f"--loops must be at least 1, got {self.loops!r}")
         check_kv_sharing(self.kv_sharing)
+        check_kv_cache_dtype(self.kv_cache_dtype)
+        if not isinstance(self.cross_loop_kv, bool):
+            raise UserError(f"--cross-loop-kv is a flag, got {self.cross_loop_kv!r}")
         if self.prefill_chunk is not None and (not _whole(self.prefill_chunk) or self.prefill_chunk < 1):
             raise UserError(f"--prefill-chunk must be at least 1, got {self.prefill_chunk!r}")
         rule = parse_exit(self.exit)
+        if rule is not None and (self.kv_cache_dtype != "auto" or self.cross_loop_kv):
+            # the early-exit step writes the caches' own tensors; the compressed stores are not among them
+            raise UserError("--exit runs with the model's own cache: drop --kv-cache-dtype/--cross-loop-kv, or --exit")
         # gate:1 is every loop (the default): one spelling, so the run's identity and its tokens are today's
         object.__setattr__(self, "exit", None if rule is None else f"{rule[0]}:{rule[1]:g}")
         if not isinstance(self.sampling, Sampling):
@@ -157,7 +167,8 @@ class InferenceOptions:
     def sets_model_options(self) -> bool:
         """Whether any option beyond sampling is set (they apply to looped models only)."""
         return (self.loops is not None or bool(self.kv_sharing) or self.share_prompt
-                or self.prefill_chunk not in (None, DEFAULT_PREFILL_CHUNK) or self.exit is not None)
+                or self.prefill_chunk not in (None, DEFAULT_PREFILL_CHUNK) or self.exit is not None
+                or self.kv_cache_dtype != "auto" or self.cross_loop_kv)
 
 
 def trained_prefill_chunk(recipe: dict) -> tuple[int, str] | None:

@@ -122,6 +122,8 @@ class VllmGenerator:
         )
         if tensor_parallel_size is not None:
             args["tensor_parallel_size"] = tensor_parallel_size
+        if options.kv_cache_dtype == "fp8":  # vLLM's own fp8 KV cache (make_backend refuses int8/int4 here)
+            args["kv_cache_dtype"] = "fp8"
         if gpu_memory_utilization is not None:
             args["gpu_memory_utilization"] = gpu_memory_utilization
         if kv_cache_bytes is None and cpu and gpu_memory_utilization is None and not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):

@@ -101,10 +101,27 @@ KV_SHARING = Ablation("kv-sharing", "untrained_kv_sharing", "Untrained KV sharin
 
 ABLATIONS: dict[str, Ablation] = {a.name: a for a in (GATES, COMPONENTS, KV_SHARING)}
 
+# Beyond the paper (docs/method.md#quantized-caches): what else reaches MELT's memory. Compressed caches of the
+# teacher and of MELT (the components table's `full` run: trained once for both), evaluated as is. No paper
+# numbers: `paper_key` is empty, and these rows are not among ABLATIONS (the paper's tables and checks).
+_MELT = {"phase1": {}, "phase2": {}, "fallback": ("components", "full")}
+KV_COMPRESSION = Ablation("kv-compression", "", "Beyond the paper: compressed KV caches", "KV cache", (
+    Variant("kv-compression", "ouro", "", "Ouro", eval_options={}, fallback=("kv-sharing", "ouro")),
+    Variant("kv-compression", "ouro-fp8", "", "Ouro, fp8 cache", eval_options={"kv_cache_dtype": "fp8"}),
+    Variant("kv-compression", "ouro-int8", "", "Ouro, int8 cache", eval_options={"kv_cache_dtype": "int8"}),
+    Variant("kv-compression", "ouro-int4", "", "Ouro, int4 cache", eval_options={"kv_cache_dtype": "int4"}),
+    Variant("kv-compression", "ouro-cross-loop", "", "Ouro, cross-loop int4 deltas", eval_options={"cross_loop_kv": True}),
+    Variant("kv-compression", "melt", "", "MELT", **_MELT),
+    Variant("kv-compression", "melt-fp8", "", "MELT, fp8 cache", eval_options={"kv_cache_dtype": "fp8"}, **_MELT),
+    Variant("kv-compression", "melt-int8", "", "MELT, int8 cache", eval_options={"kv_cache_dtype": "int8"}, **_MELT),
+    Variant("kv-compression", "melt-int4", "", "MELT, int4 cache", eval_options={"kv_cache_dtype": "int4"}, **_MELT),
+))
+
 # Run order of `ablate` and the demo (the paper's table order differs for the gates).
 GATE_VARIANTS = ("elementwise", "scalar", "ema-0.2", "mean", "last")
 LADDER = ("full", "no-align", "no-interp", "no-kd", "no-chunk")  # each row removes one more component
-RUN_ORDER = {"gates": GATE_VARIANTS, "components": LADDER, "kv-sharing": tuple(v.name for v in KV_SHARING.variants)}
+RUN_ORDER = {"gates": GATE_VARIANTS, "components": LADDER, "kv-sharing": tuple(v.name for v in KV_SHARING.variants),
+             "kv-compression": tuple(v.name for v in KV_COMPRESSION.variants)}
 
 
 def variant(ablation: str, name: str) -> Variant:
@@ -133,5 +150,5 @@ EXIT = Ablation("exit", "", "Early exit: accuracy against loops per token (beyon
     *(Variant("exit", f"agree-{k}", "", f"Agree k = {k}", eval_options={"exit": f"agree:{k}"})
       for k in EXIT_AGREEMENTS),
 ))
-BEYOND_PAPER: dict[str, Ablation] = {EXIT.name: EXIT}
+BEYOND_PAPER: dict[str, Ablation] = {KV_COMPRESSION.name: KV_COMPRESSION, EXIT.name: EXIT}
 RUN_ORDER[EXIT.name] = tuple(v.name for v in EXIT.variants)

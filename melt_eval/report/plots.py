@@ -268,3 +268,127 @@ def _save(fig, stem: Path) -> list[Path]:
         fig.savefig(p, dpi=150, bbox_inches="tight")
     _pyplot().close(fig)
     return paths
+
+
+# ------------------------------------------------------------------ the memory frontier (beyond the paper)
+
+# Each evaluated row's family, in legend order, with its colour and marker.
+FAMILIES = {
+    "teacher (Ouro)": ("#1f77b4", "o"), "MELT": (MELT_COLOUR, "*"), "gates": ("#ff7f0e", "s"),
+    "ladder": ("#8c564b", "v"), "untrained sharing": ("#7f7f7f", "x"), "quantized cache": ("#2ca02c", "D"),
+    "cross-loop (training-free)": ("#9467bd", "P"), "GQA-MELT": ("#e377c2", "h"), "other": ("#17becf", "."),
+}
+
+
+@dataclass
+class FrontierPoint:
+    label: str
+    family: str
+    bytes_per_sequence: float
+    score: float  # percent
+    stderr: float | None  # percent
+
+
+def bytes_per_sequence(r) -> float | None:
+    """The KV cache the native engine measured for one sequence: its peak (one wave of rows, each allocated for the
+    batch's longest prompt + max_new_tokens) over that wave's rows (`cache_rows`). Results written before
+    `cache_rows` existed: the native backend's batch, min(problems, 64 // samples) problems x samples rows."""
+    peak = r.raw.get("peak_cache_bytes")
+    if not peak:
+        return None
+    rows = r.raw.get("cache_rows")
+    if not rows:
+        samples = r.settings.get("samples") or 1
+        rows = min(r.raw.get("num_problems") or 1, max(1, 64 // samples)) * samples
+    return peak / rows
+
+
+def _family(where: tuple[str, str] | None, r) -> str:
+    s, name = r.settings, " ".join(str(x) for x in (where or ()) + (r.model,)).lower()
+    if s.get("cross_loop_kv"):
+        return "cross-loop (training-free)"
+    if s.get("kv_cache_dtype", "auto") != "auto":
+        return "quantized cache"
+    if s.get("kv_sharing"):
+        return "untrained sharing"
+    if "gqa" in name:
+        return "GQA-MELT"
+    if where is None:
+        return "MELT" if _is_melt(r.model) else "teacher (Ouro)"
+    ablation, variant = where
+    if ablation == "gates":
+        return "gates"
+    if ablation == "components":
+        return "MELT" if variant == "full" else "ladder"
+    if ablation in ("kv-sharing", "kv-compression"):
+        return "MELT" if _is_melt(variant) else "teacher (Ouro)"
+    return "other"
+
+
+def frontier_points(rs: ResultSet, task: str) -> list[FrontierPoint]:
+    """Every evaluated row of `task` with a measured cache, once: a row evaluated twice (the demo's ouro-tiny is
+    also the untrained-sharing table's `ouro`) is drawn once, under its main-table name if it has one."""
+    seen, points = set(), []
+    rows = [(None, r) for (_, t), r in sorted(rs.main.items()) if t == task]
+    rows += [((a, v), r) for (a, v, t), r in sorted(rs.ablations.items()) if t == task]
+    for where, r in rows:
+        s = r.settings
+        key = (r.raw.get("model_path") or r.model, s.get("loops"), s.get("kv_sharing"), bool(s.get("share_prompt")),
+               s.get("kv_cache_dtype", "auto"), bool(s.get("cross_loop_kv")))
+        per_seq, got = bytes_per_sequence(r), _first_metric(r)
+        if key in seen or per_seq is None or got is None or s.get("exit"):  # early exit has its own figure
+            continue
+        seen.add(key)
+        metric = r.metric("accuracy") or r.metric("pass@1")
+        se = None if metric is None or metric[1] is None else 100 * metric[1]
+        # the compressed rows' names say what they are ("melt-int4"); the others' say their table
+        label = _display(r.model) if where is None else where[1] if where[0] == "kv-compression" else f"{where[0]}: {where[1]}"
+        points.append(FrontierPoint(label, _family(where, r), per_seq, got, se))
+    return points
+
+
+def pareto(points: list[FrontierPoint]) -> list[FrontierPoint]:
+    """The points no other point beats on both axes (fewer bytes and a higher score), by bytes."""
+    front, best = [], float("-inf")
+    for p in sorted(points, key=lambda p: (p.bytes_per_sequence, -p.score)):
+        if p.score > best:
+            front.append(p)
+            best = p.score
+    return front
+
+
+def memory_frontier(rs: ResultSet, out_dir: Path, task: str) -> list[Path]:
+    """Every evaluated row at its measured cache bytes per sequence, error bars one standard error, the Pareto
+    frontier joined, one legend entry per family."""
+    plt = _pyplot()
+    points = frontier_points(rs, task)
+    fig, ax = plt.subplots(figsize=(7.6, 4.8))
+    for family, (colour, marker) in FAMILIES.items():
+        ps = [p for p in points if p.family == family]
+        if not ps:
+            continue
+        ax.errorbar([p.bytes_per_sequence / MB for p in ps], [p.score for p in ps],
+                    yerr=[p.stderr or 0 for p in ps], fmt=marker, color=colour, ecolor=colour, elinewidth=0.8,
+                    capsize=2, markersize=9 if marker == "*" else 6, label=family, zorder=3)
+        for p in ps:
+            ax.annotate(p.label, (p.bytes_per_sequence / MB, p.score), textcoords="offset points", xytext=(5, 3),
+                        fontsize=6, color=colour)
+    front = pareto(points)
+    if len(front) > 1:
+        ax.plot([p.bytes_per_sequence / MB for p in front], [p.score for p in front], color="black", linewidth=1,
+                alpha=0.6, zorder=2, label="Pareto frontier")
+    ax.set_xlabel("KV cache per sequence, measured in the run (MB)")
+    ax.set_ylabel(f"{task} accuracy / pass@1 (%)")
+    ax.set_title("Memory frontier: every evaluated row")
+    ax.grid(alpha=0.3)
+    if points:
+        lo = min(p.score - (p.stderr or 0) for p in points)
+        hi = max(p.score + (p.stderr or 0) for p in points)
+        pad = max(2.0, 0.08 * (hi - lo))
+        ax.set_ylim(max(0.0, lo - pad), min(100.0, hi + pad))
+        ax.set_xlim(left=0, right=max(p.bytes_per_sequence for p in points) / MB * 1.2)
+        ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=4, frameon=False)
+    else:
+        ax.set_ylim(0, 100)
+        ax.text(0.5, 0.5, f"no {task} results with a measured cache yet", transform=ax.transAxes, ha="center")
+    return _save(fig, out_dir / "memory_frontier")

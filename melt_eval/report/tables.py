@@ -434,5 +434,63 @@ def build_tables(rs: ResultSet, compare: bool = False) -> list[Table]:
     mistakes = None if rs.empty else mistakes_table(rs)
     from melt_eval.report.results import exit_points
 
-    beyond = exit_table(rs) if exit_points(rs) else None  # after the paper's tables: not one of them
-    return tables + [t for t in (other, mistakes, beyond) if t is not None]
+    compressed = None if rs.empty else beyond_paper_table(rs)  # beside the paper's tables
+    exits = exit_table(rs) if exit_points(rs) else None  # after the paper's tables: not one of them
+    return tables + [t for t in (compressed, other, mistakes, exits) if t is not None]
+
+
+def beyond_paper_table(rs: ResultSet) -> Table | None:
+    """`ablate kv-compression`'s rows (docs/method.md#quantized-caches): each compressed cache beside its uncompressed
+    model, with the cache the run measured per sequence and the gap in paired standard errors. None without them."""
+    from melt_eval.protocol.variants import KV_COMPRESSION
+    from melt_eval.report.claims import _paired_stderr, problem_scores
+    from melt_eval.report.plots import bytes_per_sequence
+
+    tasks = sorted({t for a, _, t in rs.ablations if a == "kv-compression"})
+    if not tasks:
+        return None
+
+    def result(variant, task):
+        got = rs.ablations.get(("kv-compression", variant.name, task))
+        if got is None and variant.fallback:  # the uncompressed rows are the other tables' runs
+            got = rs.ablations.get((*variant.fallback, task))
+        return got
+
+    rows, teacher_bytes = [], {}
+    for task in tasks:
+        base = {v.name: result(v, task) for v in KV_COMPRESSION.variants if v.name in ("ouro", "melt")}
+        if base["ouro"] is not None:
+            teacher_bytes[task] = bytes_per_sequence(base["ouro"])
+        for i, v in enumerate(KV_COMPRESSION.variants):
+            r = result(v, task)
+            value, se = _pct(r, "pass@1") if r is not None and "pass@1" in r.metrics else _pct(r, "accuracy")
+            per_seq = bytes_per_sequence(r) if r is not None else None
+            analytic = r.raw.get("analytic_cache_bytes") if r is not None else None
+            rows_in_wave = r.raw.get("cache_rows") if r is not None else None
+            ref = base["melt" if v.name.startswith("melt") else "ouro"]
+            gap = Cell(text="")
+            if r is not None and ref is not None and r is not ref and value is not None:
+                ref_value, _ = _pct(ref, "pass@1") if "pass@1" in ref.metrics else _pct(ref, "accuracy")
+                paired = _paired_stderr({task: problem_scores(r)}, {task: problem_scores(ref)})
+                diff = value - ref_value
+                gap = Cell(text=f"{diff:+.1f}" + ("" if not paired else f" ({diff / (100 * paired):+.1f} se)"))
+            ratio = (per_seq / teacher_bytes[task]) if per_seq and teacher_bytes.get(task) else None
+            rows.append(Row([task, v.paper_label], [
+                Cell(value, stderr=se), Cell(None if per_seq is None else per_seq / MB, digits=3),
+                Cell(None if not (analytic and rows_in_wave) else analytic / rows_in_wave / MB, digits=3),
+                Cell(ratio, digits=3), gap], rule_before=i == 0 and bool(rows)))
+    return Table(
+        key="beyond-the-paper",
+        title="Beyond the paper: compressed KV caches",
+        caption="Ouro and MELT with quantized caches (KIVI: keys per channel, values per token, groups of 32, the "
+                "last 32 tokens in full precision) and Ouro's training-free cross-loop cache (loop 1 full, later "
+                "loops int4 deltas; FlashLoop's idea). Score in percent ± one standard error.",
+        stub_heads=["Task", "Row"],
+        heads=["score", "KV per seq. measured (MB)", "formula (MB)", "x Ouro's bytes", "vs uncompressed"],
+        rows=rows,
+        notes=["KV per sequence: the peak cache the native engine allocated (Tensor.nbytes) over the rows of that "
+               "wave, each allocated for the batch's longest prompt + max_new_tokens; formula: cache_layout's bytes "
+               "for the same wave. vs uncompressed: points against the same model with its own-dtype cache, in "
+               "paired standard errors over the same problems where both kept per-problem scores."],
+        source="results",
+    )

@@ -15,7 +15,7 @@ def write_report(results: Path, output: Path, *, latex: bool = True, markdown: b
 
     Files: OUTPUT/report.md, OUTPUT/report.tex, and the figures in `plots_dir` (default OUTPUT/plots).
     """
-    from melt_eval.report.plots import exit_figure, loops_figure, memory_vs_accuracy
+    from melt_eval.report.plots import exit_figure, loops_figure, memory_frontier, memory_vs_accuracy
     from melt_eval.report.results import load_results
     from melt_eval.report.render import render_latex_report, render_markdown_report
     from melt_eval.report.tables import build_tables
@@ -42,6 +42,7 @@ def write_report(results: Path, output: Path, *, latex: bool = True, markdown: b
         plots_dir = plots_dir or output / "plots"
         files += memory_vs_accuracy(rs, plots_dir, task=task)
         files += loops_figure(rs, plots_dir)
+        files += memory_frontier(rs, plots_dir, task=task)
         files += exit_figure(rs, plots_dir)  # beyond the paper; only where there are --exit runs
     notes = [f"unfinished run skipped: {p}" for p in rs.unfinished] + [f"unreadable: {u}" for u in rs.unreadable]
     return {"tables": tables, "files": files, "source": "paper" if rs.empty else "results", "notes": notes}

@@ -1,0 +1,220 @@
+"""Quantized KV stores for generation: KIVI's scheme, and Ouro's cross-loop delta cache.
+
+What is stored and its bytes are `melt_eval.cache_layout.KVQuant`'s (docs/method.md#quantized-caches):
+
+- keys per channel: a group of G tokens shares, per channel, a scale and a minimum (keys have
+  outlier channels, so a channel's range is tight across tokens: KIVI, Liu et al. 2024);
+- values per token: G channels of a token share a scale and a minimum;
+- codes are asymmetric min-max integers (int8: one per byte; int4: two per byte, packed along the
+  head dimension), or fp8 e4m3 casts (`torch.float8_e4m3fn` storage, no scales, clamped to +-448);
+- the last R committed tokens (and the group being filled) stay in the model's dtype in a window.
+
+`QuantizedStore` speaks `StaticStore`'s language (`attend`, `commit`, `view_of`, `copy_rows`,
+`length`, `nbytes`), so `kv_cache.policy_for`'s policies read it unchanged. A chunk's own entries are
+never quantized before its attention: attend reads [dequantized groups, window, the chunk's k/v];
+`commit` appends the chunk's final entries to the window and quantizes every group that has left it.
+Group boundaries are absolute columns of the batched cache, so rows prefilled at different offsets
+(right-aligned prompts) share them; padding columns hold zeros and are masked.
+
+The cross-loop cache (FlashLoop's idea, 2026): loop 1's entries are kept in the model's dtype, loop
+t > 1's as int4 KIVI codes of their difference from loop 1 (loops of a looped model write similar
+keys and values, so the delta's range, and its error, is small), with the same full-precision window.
+
+`nbytes` counts the tensors the store holds; dequantized copies made for one attention call are
+transient, like the attention's own activations.
+"""
+
+from __future__ import annotations
+
+from typing import Hashable
+
+import torch
+
+from melt_eval.cache_layout import KV_BITS, CacheLayout, KVQuant
+from melt_eval.modeling.kv_cache import chunk_attention
+
+Tensor = torch.Tensor
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0
+
+
+def _pack4(codes: Tensor) -> Tensor:
+    """[..., d] codes in [0, 15] -> [..., d / 2] uint8, two per byte (even channel in the low nibble)."""
+    return codes[..., 0::2] | (codes[..., 1::2] << 4)
+
+
+def _unpack4(packed: Tensor) -> Tensor:
+    return torch.stack((packed & 15, packed >> 4), dim=-1).flatten(-2)
+
+
+def quantize(x: Tensor, dtype: str, group: int, per_channel: bool, out_dtype: torch.dtype):
+    """x [B, H, n, d] -> (codes, scale, minimum): per_channel (keys) groups `group` tokens of a channel
+    (n a multiple of group; scales [B, H, n / group, d]); else (values) `group` channels of a token (scales
+    [B, H, n, d / group]). Scales and minima are in `out_dtype`; fp8 returns (codes, None, None)."""
+    if dtype == "fp8":
+        return x.clamp(-FP8_MAX, FP8_MAX).to(FP8), None, None
+    b, h, n, d = x.shape
+    xf = x.float()
+    grouped = xf.view(b, h, n // group, group, d) if per_channel else xf.view(b, h, n, d // group, group)
+    axis = 3 if per_channel else 4
+    lo, hi = grouped.amin(axis, keepdim=True), grouped.amax(axis, keepdim=True)
+    levels = 2 ** KV_BITS[dtype] - 1
+    # the stored (rounded) scale and minimum are the ones quantized against, so dequantizing is exact up to
+    # half a step
+    lo = lo.to(out_dtype).float()
+    scale = ((hi - lo) / levels).to(out_dtype).float()
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    codes = ((grouped - lo) / safe).round_().clamp_(0, levels).to(torch.uint8).view(b, h, n, d)
+    if dtype == "int4":
+        codes = _pack4(codes)
+    return codes, scale.squeeze(axis).to(out_dtype), lo.squeeze(axis).to(out_dtype)
+
+
+def dequantize(codes: Tensor, scale: Tensor | None, lo: Tensor | None, dtype: str, group: int, per_channel: bool,
+               out_dtype: torch.dtype) -> Tensor:
+    """The inverse of `quantize`: [B, H, n, d] in `out_dtype`."""
+    if dtype == "fp8":
+        return codes.to(out_dtype)
+    if dtype == "int4":
+        codes = _unpack4(codes)
+    b, h, n, d = codes.shape
+    if per_channel:
+        x = torch.addcmul(lo[:, :, :, None], codes.view(b, h, n // group, group, d).to(out_dtype), scale[:, :, :, None])
+    else:
+        x = torch.addcmul(lo[..., None], codes.view(b, h, n, d // group, group).to(out_dtype), scale[..., None])
+    return x.view(b, h, n, d)
+
+
+class _Entry:
+    """One store key's K and V: quantized groups plus a full-precision window, or (quant "auto") full buffers."""
+
+    def __init__(self, quant: KVQuant, batch: int, kv_heads: int, capacity: int, head_dim: int, dtype, device):
+        self.quant, self.dtype = quant, dtype
+        full = (batch, kv_heads, capacity, head_dim)
+        if not quant.quantized:
+            self.tensors = {"k": torch.zeros(full, dtype=dtype, device=device), "v": torch.zeros(full, dtype=dtype, device=device)}
+            return
+        q, g = quant.quantized_tokens(capacity), quant.group
+        code_dtype = FP8 if quant.dtype == "fp8" else torch.uint8
+        code_dim = head_dim * KV_BITS[quant.dtype] // 8
+        t = {"kc": torch.zeros(batch, kv_heads, q, code_dim, dtype=code_dtype, device=device),
+             "vc": torch.zeros(batch, kv_heads, q, code_dim, dtype=code_dtype, device=device),
+             "kw": torch.zeros(batch, kv_heads, quant.window_for(capacity), head_dim, dtype=dtype, device=device),
+             "vw": torch.zeros(batch, kv_heads, quant.window_for(capacity), head_dim, dtype=dtype, device=device)}
+        if quant.dtype != "fp8":
+            for name in ("ks", "kz"):  # keys: per channel, one per group of g tokens
+                t[name] = torch.zeros(batch, kv_heads, q // g, head_dim, dtype=dtype, device=device)
+            for name in ("vs", "vz"):  # values: per token, one per group of g channels
+                t[name] = torch.zeros(batch, kv_heads, q, head_dim // g, dtype=dtype, device=device)
+        self.tensors = t
+
+    def rows(self, rows: slice) -> "_Entry":
+        entry = _Entry.__new__(_Entry)
+        entry.quant, entry.dtype = self.quant, self.dtype
+        entry.tensors = {name: t[rows] for name, t in self.tensors.items()}
+        return entry
+
+    def read(self, end: int, base: "_Entry | None") -> tuple[Tensor, Tensor]:
+        """K and V of absolute columns [0, end) in the model's dtype (`base`: loop 1's entry a delta adds to)."""
+        ks, vs = self.parts(end, base)
+        return torch.cat(ks, dim=2), torch.cat(vs, dim=2)
+
+    def parts(self, end: int, base: "_Entry | None") -> tuple[list[Tensor], list[Tensor]]:
+        """`read`'s pieces (dequantized groups, window) uncatenated: attention joins them with the chunk in one cat."""
+        t = self.tensors
+        if not self.quant.quantized:
+            return [t["k"][:, :, :end]], [t["v"][:, :, :end]]
+        q, g, dt = self.quant.quantized_tokens(end), self.quant.group, self.quant.dtype
+        k = dequantize(t["kc"][:, :, :q], _cut(t, "ks", q // g),
+                       _cut(t, "kz", q // g), dt, g, True, self.dtype)
+        v = dequantize(t["vc"][:, :, :q], _cut(t, "vs", q), _cut(t, "vz", q), dt, g, False, self.dtype)
+        if base is not None:
+            bk, bv = base.read(q, None)
+            k, v = k + bk, v + bv
+        return [k, t["kw"][:, :, : end - q]], [v, t["vw"][:, :, : end - q]]
+
+    def append(self, start: int, k: Tensor, v: Tensor, base: "_Entry | None") -> None:
+        """Commit the entries of absolute columns [start, start + c); quantize the groups that leave the window."""
+        t = self.tensors
+        end = start + k.shape[2]
+        if not self.quant.quantized:
+            t["k"][:, :, start:end] = k
+            t["v"][:, :, start:end] = v
+            return
+        q0, q1, g = self.quant.quantized_tokens(start), self.quant.quantized_tokens(end), self.quant.group
+        kf = torch.cat([t["kw"][:, :, : start - q0], k.to(self.dtype)], dim=2)  # columns [q0, end)
+        vf = torch.cat([t["vw"][:, :, : start - q0], v.to(self.dtype)], dim=2)
+        if q1 > q0:
+            kq, vq = kf[:, :, : q1 - q0], vf[:, :, : q1 - q0]
+            if base is not None:  # the cross-loop cache stores the difference from loop 1
+                bk, bv = base.tensors["k"][:, :, q0:q1], base.tensors["v"][:, :, q0:q1]
+                kq, vq = kq - bk, vq - bv
+            kc, ks, kz = quantize(kq, self.quant.dtype, g, True, self.dtype)
+            vc, vs, vz = quantize(vq, self.quant.dtype, g, False, self.dtype)
+            t["kc"][:, :, q0:q1], t["vc"][:, :, q0:q1] = kc, vc
+            if ks is not None:
+                t["ks"][:, :, q0 // g : q1 // g], t["kz"][:, :, q0 // g : q1 // g] = ks, kz
+                t["vs"][:, :, q0:q1], t["vz"][:, :, q0:q1] = vs, vz
+        t["kw"][:, :, : end - q1] = kf[:, :, q1 - q0 :]
+        t["vw"][:, :, : end - q1] = vf[:, :, q1 - q0 :]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors.values())
+
+
+def _cut(t: dict, name: str, n: int) -> Tensor | None:
+    return t[name][:, :, :n] if name in t else None
+
+
+class QuantizedStore:
+    """`StaticStore`'s interface over quantized entries (module docstring): one `_Entry` per store key."""
+
+    def __init__(self, layout: CacheLayout, keys, batch: int, kv_heads: int, capacity: int, head_dim: int, dtype,
+                 device) -> None:
+        self.layout = layout
+        self.entries = {key: _Entry(layout.key_quant(key), batch, kv_heads, capacity, head_dim, dtype, device)
+                        for key in keys}
+        self.capacity = capacity
+        self.offset = 0  # a prefill view's first column (its `length` counts from there)
+        self.length = 0
+        self.token = None
+
+    @classmethod
+    def view_of(cls, other: "QuantizedStore", rows: slice, start: int) -> "QuantizedStore":
+        """A store writing into `other`'s rows `rows` from column `start`; it reads its own columns only."""
+        store = cls.__new__(cls)
+        store.layout, store.capacity = other.layout, other.capacity
+        store.entries = {key: e.rows(rows) for key, e in other.entries.items()}
+        store.offset, store.length, store.token = start, 0, None
+        return store
+
+    def _base(self, key: Hashable) -> "_Entry | None":
+        return self.entries[(key[0], 0)] if self.layout.cross_loop and key[1] > 0 else None
+
+    def attend(self, key: Hashable, q: Tensor, k: Tensor, v: Tensor, past: int, token=None,
+               mask: Tensor | None = None) -> Tensor:
+        end = self.offset + past
+        if end + k.shape[2] > self.capacity:
+            raise RuntimeError(f"KV cache full: {end + k.shape[2]} > capacity {self.capacity}")
+        pk, pv = self.entries[key].parts(end, self._base(key))
+        keys, values = torch.cat([*pk, k.to(pk[0].dtype)], dim=2), torch.cat([*pv, v.to(pv[0].dtype)], dim=2)
+        if self.offset:  # a prefill view reads its own columns only
+            keys, values = keys[:, :, self.offset :], values[:, :, self.offset :]
+        return chunk_attention(q, keys, values, mask)
+
+    def commit(self, finals, c: int) -> None:
+        start = self.offset + self.length
+        # loop 1's entries first: the later loops' deltas are taken against them
+        for key in sorted(finals, key=lambda key: self._base(key) is not None):
+            self.entries[key].append(start, *finals[key], self._base(key))
+        self.length += c
+
+    def copy_rows(self, src: int, dst: slice) -> None:
+        for entry in self.entries.values():
+            for t in entry.tensors.values():
+                t[dst] = t[src]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(e.nbytes for e in self.entries.values())
