@@ -147,6 +147,15 @@ def test_a_wrong_exit_is_one_line(spelling):
     assert "\n" not in str(err.value)
 
 
+@pytest.mark.parametrize("compressed", [{"kv_cache_dtype": "int8"}, {"cross_loop_kv": True}])
+def test_exit_with_a_compressed_cache_is_refused_in_one_line(compressed):
+    # the early-exit step writes the full-precision stores' tensors; a quantized store would be bypassed
+    with pytest.raises(UserError, match="--exit runs with the model's own cache") as err:
+        InferenceOptions(exit="gate:0.5", **compressed)
+    assert "\n" not in str(err.value)
+    InferenceOptions(exit="gate:1", **compressed)  # gate:1 is all loops: nothing to refuse
+
+
 def test_gate_one_is_the_default():
     assert InferenceOptions(exit="gate:1") == InferenceOptions()
     assert InferenceOptions(exit="gate:0.50").exit == "gate:0.5"
