@@ -154,8 +154,78 @@ def first_mistake(item: dict, reply: str) -> tuple[int, str] | None:
     return None if answer[1].strip() == str(value) else (done + 1, "answer")
 
 
+LOOKUP_NAMES = "xyzabc"  # the chain's variable; one token each, none a table's name
+
+
+def make_lookup_problem(rng: random.Random, num_steps: int = 6, max_value: int = 9, tables: str = "pp") -> dict:
+    """One look-up chain: a table (a random permutation of 1..max_value, its entries in random order) in
+    the prompt, a start value, then `num_steps` steps, each applying the tables of `tables` right to left
+    ("pp": y -> p(p(y)); "fp": y -> f(p(y)), two tables) without writing the value in between:
+
+        problem:  p = 3 5, 1 2, 2 4, 5 1, 4 3. y = 2. 6 step y = p p y.
+        solution: 1: y = p p 2 = 3. 2: y = p p 3 = 1. ... The answer is \\boxed{5}.
+
+    Each look-up finds a key in the prompt by content and reads its value (two attention layers, an
+    induction head), so a step's two look-ups need more layers than one loop of the tiny model's two:
+    the loops must do it. Every value is one digit 1..9, one token of the tiny tokenizer, and every
+    step has the same length (10 tokens)."""
+    n = max_value
+    if not 3 <= n <= 9 or (tables == "pp" and n % 2 == 0):
+        raise ValueError(f"max_value must be within 3..9 (odd for one table applied twice), got {max_value}")
+    # the step's map is one cycle through all n values, so no chain falls into a fixed point or a short
+    # loop that could be copied from its own earlier steps within n steps
+    order = list(range(1, n + 1))
+    rng.shuffle(order)
+    step_map = {order[i]: order[(i + 1) % n] for i in range(n)}
+    if tables == "pp":  # p = step_map^((n+1)/2), so p(p(y)) = step_map(y) (n odd)
+        maps = {"p": {y: _power(step_map, (n + 1) // 2, y) for y in order}}
+    elif len(tables) == 2 and tables[0] != tables[1]:  # a random inner table, the outer one made to fit
+        inner = order[:]
+        rng.shuffle(inner)
+        inner_map = dict(zip(range(1, n + 1), inner))
+        maps = {tables[1]: inner_map, tables[0]: {inner_map[y]: step_map[y] for y in range(1, n + 1)}}
+    else:
+        raise ValueError(f"tables must be 'pp' or two distinct names, got {tables!r}")
+    perms = {}
+    for t in tables[::-1] if len(set(tables)) > 1 else tables[:1]:  # the inner table first, as it is applied
+        keys = list(range(1, n + 1))
+        rng.shuffle(keys)  # entries in random order: a look-up must match the key, not count positions
+        perms[t] = {k: maps[t][k] for k in keys}
+    name, start = rng.choice(LOOKUP_NAMES), rng.randint(1, max_value)
+    value, worked = start, []
+    for i in range(1, num_steps + 1):
+        new = value
+        for t in reversed(tables):
+            new = perms[t][new]
+        worked.append(f"{i}: {name} = {' '.join(tables)} {value} = {new}.")
+        value = new
+    defs = ". ".join(f"{t} = " + ", ".join(f"{k} {v}" for k, v in p.items()) for t, p in perms.items())
+    problem = f"{defs}. {name} = {start}. {num_steps} step {name} = {' '.join(tables)} {name}."
+    solution = " ".join(worked) + f" The answer is \\boxed{{{value}}}."
+    return {"problem": problem, "answer": str(value), "solution": solution}
+
+
+def _power(step_map: dict[int, int], k: int, y: int) -> int:
+    for _ in range(k):
+        y = step_map[y]
+    return y
+
+
+def _make_lookup2_problem(rng: random.Random, num_steps: int = 6, max_value: int = 9) -> dict:
+    return make_lookup_problem(rng, num_steps, max_value, tables="fp")
+
+
+_LOOKUP_TABLE = re.compile(r"(\w) = ((?:\d \d, )*\d \d)")
+
+
+def lookup_tables(problem: str) -> dict[str, dict[int, int]]:
+    """The tables of a look-up problem's text, {name: {key: value}}."""
+    return {m[1]: {int(e[0]): int(e[2]) for e in m[2].split(", ")} for m in _LOOKUP_TABLE.finditer(problem)}
+
+
 FORMS = {"variables": (make_problem, len(VARIABLES) - 1), "digits": (make_digit_problem, 9),
-         "digit-sum": (make_digit_sum_problem, 9)}
+         "digit-sum": (make_digit_sum_problem, 9), "lookup": (make_lookup_problem, 9),
+         "lookup2": (_make_lookup2_problem, 9)}
 
 
 def make_split(split: str, n: int, seed: int = 0, *, num_steps: int | tuple[int, int] = 2, max_value: int = 9,
