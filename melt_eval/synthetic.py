@@ -1,4 +1,4 @@
-"""Deterministic synthetic reasoning tasks, in three forms; every answer is written as \\boxed{...}.
+"""Deterministic synthetic reasoning tasks, in five forms; every answer is written as \\boxed{...}.
 
 form "digit-sum" (`make_digit_sum_problem`), the demo's task: a chain of one-token digits 1..9, the
 same constant added at each step and the digit sum kept, worked one numbered step per line. The reply
@@ -16,6 +16,14 @@ about the last one, answered with the boxed answer alone:
 
 form "digits" (`make_digit_problem`): a last-digit chain like "digit-sum", with + or - modulo 10
 (` 0` is two tokens, so steps differ in length; measured harder to learn than "digit-sum").
+
+forms "lookup" and "lookup2" (`make_lookup_problem`): a chain through look-up tables given in the prompt,
+two look-ups a step and only their result written (y -> p(p(y)), or f(p(y)) with two tables), so that one
+loop of the tiny model's two layers cannot do a step (issue 39; measured in
+docs/results/2026-11-26-demo-task-choice.md). The tables make the prompt longer: the reply is 1.4-2.2x it.
+
+    problem:  p = 4 5, 5 1, 2 4, 3 2, 1 3. b = 1. 7 step b = p p b.
+    solution: 1: b = p p 1 = 2. 2: b = p p 2 = 5. ... The answer is \\boxed{5}.
 
 Used as a built-in training source (`source: synthetic` in a recipe) and by
 the demo's LightEval task, so both must build prompts with `user_prompt`.
@@ -158,17 +166,17 @@ LOOKUP_NAMES = "xyzabc"  # the chain's variable; one token each, none a table's 
 
 
 def make_lookup_problem(rng: random.Random, num_steps: int = 6, max_value: int = 9, tables: str = "pp") -> dict:
-    """One look-up chain: a table (a random permutation of 1..max_value, its entries in random order) in
-    the prompt, a start value, then `num_steps` steps, each applying the tables of `tables` right to left
-    ("pp": y -> p(p(y)); "fp": y -> f(p(y)), two tables) without writing the value in between:
+    """One look-up chain: the tables of `tables` in the prompt (permutations of 1..max_value, entries in
+    random order), a start value, then `num_steps` steps, each applying the tables right to left ("pp":
+    y -> p(p(y)); "fp": y -> f(p(y)), two tables) without writing the value in between:
 
-        problem:  p = 3 5, 1 2, 2 4, 5 1, 4 3. y = 2. 6 step y = p p y.
-        solution: 1: y = p p 2 = 3. 2: y = p p 3 = 1. ... The answer is \\boxed{5}.
+        problem:  p = 4 5, 5 1, 2 4, 3 2, 1 3. b = 1. 7 step b = p p b.
+        solution: 1: b = p p 1 = 2. 2: b = p p 2 = 5. ... 7: b = p p 2 = 5. The answer is \\boxed{5}.
 
-    Each look-up finds a key in the prompt by content and reads its value (two attention layers, an
-    induction head), so a step's two look-ups need more layers than one loop of the tiny model's two:
-    the loops must do it. Every value is one digit 1..9, one token of the tiny tokenizer, and every
-    step has the same length (10 tokens)."""
+    Each look-up finds a key in the prompt by its content and reads the value beside it (two attention
+    layers, as an induction head), so a step's two look-ups need more layers than one loop of the tiny
+    model's two. Every value is a digit 1..max_value, one token of the tiny tokenizer, and every step
+    is 10 tokens."""
     n = max_value
     if not 3 <= n <= 9 or (tables == "pp" and n % 2 == 0):
         raise ValueError(f"max_value must be within 3..9 (odd for one table applied twice), got {max_value}")
