@@ -29,6 +29,7 @@ def main() -> None:
     ap.add_argument("--problems", type=int, default=50)
     ap.add_argument("--samples", type=int, default=4)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--loops", default="1,2,3,4", help="T at inference, in the order evaluated")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     import torch
@@ -71,7 +72,7 @@ def evaluate(checkpoint: Path, a) -> dict:
                                        add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
                for r in rows]
     scores = {}
-    for loops in (1, 2, 3, 4):
+    for loops in (int(t) for t in a.loops.split(",")):
         t0 = time.perf_counter()
         res = generate(model, prompts, InferenceOptions(loops=loops), n=a.samples, temperature=1.0, top_p=0.7,
                        max_new_tokens=96, seed=0, eos_token_id=tok.eos_token_id)
@@ -82,7 +83,8 @@ def evaluate(checkpoint: Path, a) -> dict:
                 right += bool(m and m[1].strip() == r["answer"])
                 total += 1
         scores[f"T={loops}"] = round(right / total, 4)
-        print(f"T={loops}: pass@1 {scores[f'T={loops}']:.3f} ({time.perf_counter() - t0:.0f} s)", flush=True)
+        print(f"T={loops}: pass@1 {scores[f'T={loops}']:.3f} ({time.perf_counter() - t0:.0f} s, "
+              f"load {os.getloadavg()[0]:.1f})", flush=True)
     return scores
 
 
