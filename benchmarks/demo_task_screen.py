@@ -77,14 +77,20 @@ def evaluate(checkpoint: Path, a) -> dict:
         res = generate(model, prompts, InferenceOptions(loops=loops), n=a.samples, temperature=1.0, top_p=0.7,
                        max_new_tokens=96, seed=0, eos_token_id=tok.eos_token_id)
         right = total = 0
+        by_steps: dict[int, list[int]] = {}  # step count -> [right, total]: a chain as long as its cycle leaks
         for i, r in enumerate(rows):
+            steps = int(r["solution"].rsplit(": ", 1)[0].rsplit(" ", 1)[-1].rstrip(":")) if ": " in r["solution"] else 0
             for seq in res.sequences[i]:
                 m = re.search(r"\\boxed\{([^{}]*)\}", tok.decode(seq, skip_special_tokens=True))
-                right += bool(m and m[1].strip() == r["answer"])
-                total += 1
+                ok = bool(m and m[1].strip() == r["answer"])
+                right, total = right + ok, total + 1
+                counts = by_steps.setdefault(steps, [0, 0])
+                counts[0] += ok
+                counts[1] += 1
         scores[f"T={loops}"] = round(right / total, 4)
-        print(f"T={loops}: pass@1 {scores[f'T={loops}']:.3f} ({time.perf_counter() - t0:.0f} s, "
-              f"load {os.getloadavg()[0]:.1f})", flush=True)
+        scores[f"T={loops} by steps"] = {k: round(v[0] / v[1], 4) for k, v in sorted(by_steps.items())}
+        print(f"T={loops}: pass@1 {scores[f'T={loops}']:.3f}, by step count {scores[f'T={loops} by steps']} "
+              f"({time.perf_counter() - t0:.0f} s, load {os.getloadavg()[0]:.1f})", flush=True)
     return scores
 
 
