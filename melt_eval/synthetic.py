@@ -20,10 +20,11 @@ form "digits" (`make_digit_problem`): a last-digit chain like "digit-sum", with 
 forms "lookup" and "lookup2" (`make_lookup_problem`): a chain through look-up tables given in the prompt,
 two look-ups a step and only their result written (y -> p(p(y)), or f(p(y)) with two tables), so that one
 loop of the tiny model's two layers cannot do a step (issue 39; measured in
-docs/results/2026-11-26-demo-task-choice.md). The tables make the prompt longer: the reply is 1.4-2.2x it.
+docs/results/2026-11-26-demo-task-choice.md: not yet learned by the demo's teacher recipe). At most
+max_value - 2 steps; the tables make the prompt longer: at max_value 9 the reply is 1.3-1.7x it.
 
-    problem:  p = 4 5, 5 1, 2 4, 3 2, 1 3. b = 1. 7 step b = p p b.
-    solution: 1: b = p p 1 = 2. 2: b = p p 2 = 5. ... The answer is \\boxed{5}.
+    problem:  p = 4 5, 5 1, 2 4, 3 2, 1 3. b = 1. 3 step b = p p b.
+    solution: 1: b = p p 1 = 2. 2: b = p p 2 = 5. 3: b = p p 5 = 3. The answer is \\boxed{3}.
 
 Used as a built-in training source (`source: synthetic` in a recipe) and by
 the demo's LightEval task, so both must build prompts with `user_prompt`.
@@ -170,18 +171,23 @@ def make_lookup_problem(rng: random.Random, num_steps: int = 6, max_value: int =
     random order), a start value, then `num_steps` steps, each applying the tables right to left ("pp":
     y -> p(p(y)); "fp": y -> f(p(y)), two tables) without writing the value in between:
 
-        problem:  p = 4 5, 5 1, 2 4, 3 2, 1 3. b = 1. 7 step b = p p b.
-        solution: 1: b = p p 1 = 2. 2: b = p p 2 = 5. ... 7: b = p p 2 = 5. The answer is \\boxed{5}.
+        problem:  p = 4 5, 5 1, 2 4, 3 2, 1 3. b = 1. 3 step b = p p b.
+        solution: 1: b = p p 1 = 2. 2: b = p p 2 = 5. 3: b = p p 5 = 3. The answer is \\boxed{3}.
 
     Each look-up finds a key in the prompt by its content and reads the value beside it (two attention
     layers, as an induction head), so a step's two look-ups need more layers than one loop of the tiny
     model's two. Every value is a digit 1..max_value, one token of the tiny tokenizer, and every step
-    is 10 tokens."""
+    is 10 tokens. At most max_value - 2 steps, so the chain never comes back to a value it has seen."""
     n = max_value
     if not 3 <= n <= 9 or (tables == "pp" and n % 2 == 0):
         raise ValueError(f"max_value must be within 3..9 (odd for one table applied twice), got {max_value}")
+    if num_steps > n - 2:
+        # a chain of n steps comes back to its start and one of n - 1 ends on the one value not yet seen:
+        # both answerable without a look-up (measured: a teacher trained on n = 5 with 5-7 steps boxed the
+        # start on every 5-step chain and guessed the rest, docs/results/2026-11-26-demo-task-choice.md)
+        raise ValueError(f"num_steps must be at most max_value - 2 = {n - 2} for a look-up chain, got {num_steps}")
     # the step's map is one cycle through all n values, so no chain falls into a fixed point or a short
-    # loop that could be copied from its own earlier steps within n steps
+    # loop that could be copied from its own earlier steps
     order = list(range(1, n + 1))
     rng.shuffle(order)
     step_map = {order[i]: order[(i + 1) % n] for i in range(n)}
