@@ -1,4 +1,4 @@
-"""Deterministic synthetic reasoning tasks, in three forms; every answer is written as \\boxed{...}.
+"""Deterministic synthetic reasoning tasks, in five forms; every answer is written as \\boxed{...}.
 
 form "digit-sum" (`make_digit_sum_problem`), the demo's task: a chain of one-token digits 1..9, the
 same constant added at each step and the digit sum kept, worked one numbered step per line. The reply
@@ -16,6 +16,15 @@ about the last one, answered with the boxed answer alone:
 
 form "digits" (`make_digit_problem`): a last-digit chain like "digit-sum", with + or - modulo 10
 (` 0` is two tokens, so steps differ in length; measured harder to learn than "digit-sum").
+
+forms "lookup" and "lookup2" (`make_lookup_problem`): a chain through look-up tables given in the prompt,
+two look-ups a step and only their result written (y -> p(p(y)), or f(p(y)) with two tables), so that one
+loop of the tiny model's two layers cannot do a step (issue 39; measured in
+docs/results/2026-11-26-demo-task-choice.md: not yet learned by the demo's teacher recipe). At most
+max_value - 2 steps; the tables make the prompt longer: at max_value 9 the reply is 1.3-1.7x it.
+
+    problem:  p = 4 5, 5 1, 2 4, 3 2, 1 3. b = 1. 3 step b = p p b.
+    solution: 1: b = p p 1 = 2. 2: b = p p 2 = 5. 3: b = p p 5 = 3. The answer is \\boxed{3}.
 
 Used as a built-in training source (`source: synthetic` in a recipe) and by
 the demo's LightEval task, so both must build prompts with `user_prompt`.
@@ -154,8 +163,83 @@ def first_mistake(item: dict, reply: str) -> tuple[int, str] | None:
     return None if answer[1].strip() == str(value) else (done + 1, "answer")
 
 
+LOOKUP_NAMES = "xyzabc"  # the chain's variable; one token each, none a table's name
+
+
+def make_lookup_problem(rng: random.Random, num_steps: int = 6, max_value: int = 9, tables: str = "pp") -> dict:
+    """One look-up chain: the tables of `tables` in the prompt (permutations of 1..max_value, entries in
+    random order), a start value, then `num_steps` steps, each applying the tables right to left ("pp":
+    y -> p(p(y)); "fp": y -> f(p(y)), two tables) without writing the value in between:
+
+        problem:  p = 4 5, 5 1, 2 4, 3 2, 1 3. b = 1. 3 step b = p p b.
+        solution: 1: b = p p 1 = 2. 2: b = p p 2 = 5. 3: b = p p 5 = 3. The answer is \\boxed{3}.
+
+    Each look-up finds a key in the prompt by its content and reads the value beside it (two attention
+    layers, as an induction head), so a step's two look-ups need more layers than one loop of the tiny
+    model's two. Every value is a digit 1..max_value, one token of the tiny tokenizer, and every step
+    is 10 tokens. At most max_value - 2 steps, so the chain never comes back to a value it has seen."""
+    n = max_value
+    if not 3 <= n <= 9 or (tables == "pp" and n % 2 == 0):
+        raise ValueError(f"max_value must be within 3..9 (odd for one table applied twice), got {max_value}")
+    if num_steps > n - 2:
+        # a chain of n steps comes back to its start and one of n - 1 ends on the one value not yet seen:
+        # both answerable without a look-up (measured: a teacher trained on n = 5 with 5-7 steps boxed the
+        # start on every 5-step chain and guessed the rest, docs/results/2026-11-26-demo-task-choice.md)
+        raise ValueError(f"num_steps must be at most max_value - 2 = {n - 2} for a look-up chain, got {num_steps}")
+    # the step's map is one cycle through all n values, so no chain falls into a fixed point or a short
+    # loop that could be copied from its own earlier steps
+    order = list(range(1, n + 1))
+    rng.shuffle(order)
+    step_map = {order[i]: order[(i + 1) % n] for i in range(n)}
+    if tables == "pp":  # p = step_map^((n+1)/2), so p(p(y)) = step_map(y) (n odd)
+        maps = {"p": {y: _power(step_map, (n + 1) // 2, y) for y in order}}
+    elif len(tables) == 2 and tables[0] != tables[1]:  # a random inner table, the outer one made to fit
+        inner = order[:]
+        rng.shuffle(inner)
+        inner_map = dict(zip(range(1, n + 1), inner))
+        maps = {tables[1]: inner_map, tables[0]: {inner_map[y]: step_map[y] for y in range(1, n + 1)}}
+    else:
+        raise ValueError(f"tables must be 'pp' or two distinct names, got {tables!r}")
+    perms = {}
+    for t in tables[::-1] if len(set(tables)) > 1 else tables[:1]:  # the inner table first, as it is applied
+        keys = list(range(1, n + 1))
+        rng.shuffle(keys)  # entries in random order: a look-up must match the key, not count positions
+        perms[t] = {k: maps[t][k] for k in keys}
+    name, start = rng.choice(LOOKUP_NAMES), rng.randint(1, max_value)
+    value, worked = start, []
+    for i in range(1, num_steps + 1):
+        new = value
+        for t in reversed(tables):
+            new = perms[t][new]
+        worked.append(f"{i}: {name} = {' '.join(tables)} {value} = {new}.")
+        value = new
+    defs = ". ".join(f"{t} = " + ", ".join(f"{k} {v}" for k, v in p.items()) for t, p in perms.items())
+    problem = f"{defs}. {name} = {start}. {num_steps} step {name} = {' '.join(tables)} {name}."
+    solution = " ".join(worked) + f" The answer is \\boxed{{{value}}}."
+    return {"problem": problem, "answer": str(value), "solution": solution}
+
+
+def _power(step_map: dict[int, int], k: int, y: int) -> int:
+    for _ in range(k):
+        y = step_map[y]
+    return y
+
+
+def _make_lookup2_problem(rng: random.Random, num_steps: int = 6, max_value: int = 9) -> dict:
+    return make_lookup_problem(rng, num_steps, max_value, tables="fp")
+
+
+_LOOKUP_TABLE = re.compile(r"(\w) = ((?:\d \d, )*\d \d)")
+
+
+def lookup_tables(problem: str) -> dict[str, dict[int, int]]:
+    """The tables of a look-up problem's text, {name: {key: value}}."""
+    return {m[1]: {int(e[0]): int(e[2]) for e in m[2].split(", ")} for m in _LOOKUP_TABLE.finditer(problem)}
+
+
 FORMS = {"variables": (make_problem, len(VARIABLES) - 1), "digits": (make_digit_problem, 9),
-         "digit-sum": (make_digit_sum_problem, 9)}
+         "digit-sum": (make_digit_sum_problem, 9), "lookup": (make_lookup_problem, 9),
+         "lookup2": (_make_lookup2_problem, 9)}
 
 
 def make_split(split: str, n: int, seed: int = 0, *, num_steps: int | tuple[int, int] = 2, max_value: int = 9,

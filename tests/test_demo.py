@@ -69,7 +69,7 @@ def test_quick_demo_writes_every_table_and_figure(quick_demo):
     assert all(m["wrong"] == sum(m["first_mistake"].values()) and m["replies"] > 0 for m in mistakes)
     # the claims table, computed from the results, as report/claims.json too
     claims = json.loads((quick_demo / "report" / "claims.json").read_text())
-    assert len(claims) == 6 and all({"claim", "measured", "threshold", "holds"} <= set(c) for c in claims)
+    assert len(claims) == 7 and all({"claim", "measured", "threshold", "holds"} <= set(c) for c in claims)
     assert all(c["measured"] is not None for c in claims), claims  # every claim's results exist
     assert claims[0]["values"]["teacher_pass@1"] == summary["teacher_pass@1"]
     assert claims[0]["values"]["melt_pass@1"] == summary["melt_pass@1"]

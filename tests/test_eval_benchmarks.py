@@ -85,3 +85,21 @@ def test_score_reports_the_mean_of_per_problem_pass_at_k(tmp_path):
     metrics = score_completions("synthetic", path)["metrics"]
     for k, values in expected.items():
         assert metrics[f"pass@{k}"]["value"] == pytest.approx(sum(values) / len(values))
+
+
+def test_synthetic_lookup_task_scores_the_lookup_chains(tmp_path):
+    """`synthetic-lookup` evaluates the look-up chains (issue 39), not the demo's digit sums: its rows are
+    the form's test split, and a worked solution from that split scores 1, its answer off by one 0."""
+    from melt_eval.evaluation.data import load_rows
+    from melt_eval.evaluation.tasks import SPECS, SYNTHETIC_TESTS
+    from melt_eval import synthetic
+
+    rows = load_rows(SPECS["synthetic-lookup"], None, 6)
+    expected = synthetic.make_split("test", **SYNTHETIC_TESTS["synthetic-lookup"])[:6]
+    assert [r["problem"] for r in rows] == [r["problem"] for r in expected] and " p p " in rows[0]["problem"]
+    assert not {r["problem"] for r in rows} & {r["problem"] for r in load_rows(SPECS["synthetic"], None, None)}
+    lines = [{"index": i, "completions": [r["solution"]] * 3 + [f"\\boxed{{{int(r['answer']) % 5 + 1}}}"]}
+             for i, r in enumerate(expected)]
+    path = tmp_path / "c.jsonl"
+    path.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    assert score_completions("synthetic-lookup", path)["metrics"]["pass@1"]["value"] == pytest.approx(0.75)

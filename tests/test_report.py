@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -262,16 +263,17 @@ def _demo_like_results(root: Path, **override) -> None:
               "components/full": 0.50, "components/no-align": 0.45, "components/no-interp": 0.30,
               "components/no-kd": 0.20, "components/no-chunk": 0.0,
               "gates/elementwise": 0.45, "gates/scalar": 0.40, "gates/ema-0.2": 0.30, "gates/mean": 0.35, "gates/last": 0.3,
-              "melt-T1": 0.1, "melt-T2": 0.2, "melt-T3": 0.3}
+              "melt-T1": 0.1, "melt-T2": 0.2, "melt-T3": 0.3, "ouro-T1": 0.2, "ouro-T2": 0.3, "ouro-T3": 0.4}
     scores.update(override)
     path = {"melt-tiny": "/ck/melt", "ouro-tiny": "/ck/ouro", "kv-sharing/ouro": "/ck/ouro", "components/full": "/ck/melt"}
     for name, value in scores.items():
         melt_cache = name.startswith("melt") or "/" in name and not name.startswith("kv-sharing")
         extra = dict(model_path=path.get(name, f"/ck/{name}"), peak_cache_bytes=1000 if melt_cache else 4000,
                      settings={"loops": 4})
-        if name.startswith("melt-T"):
-            rel, extra["model"] = f"loops/melt-tiny-{name[5:]}/synthetic", "melt-tiny"
-            extra.update(model_path="/ck/melt", settings={"loops": int(name[-1])})
+        if name.startswith(("melt-T", "ouro-T")):
+            model = name[:4] + "-tiny"
+            rel, extra["model"] = f"loops/{model}-{name[5:]}/synthetic", model
+            extra.update(model_path=f"/ck/{name[:4]}", settings={"loops": int(name[-1])})
         elif "/" in name:
             rel = f"ablations/{name}/synthetic"
         else:
@@ -284,24 +286,26 @@ def test_claims_are_computed_from_the_results(tmp_path):
 
     _demo_like_results(tmp_path / "good")
     claims = paper_claims(load_results(tmp_path / "good"))
-    assert len(claims) == 6 and all(c.holds for c in claims), [(c.claim, c.measured) for c in claims]
+    assert len(claims) == 7 and all(c.holds for c in claims), [(c.claim, c.measured) for c in claims]
     keeps = claims[0]
     assert keeps.values["ratio"] == pytest.approx(0.50 / 0.52) and keeps.values["cache_ratio"] == 0.25
     assert "melt-tiny 50.0 / ouro-tiny 52.0" in keeps.measured
     assert all(set(c.to_json()) >= {"claim", "measured", "threshold", "holds"} for c in claims)
     # the paper's own numbers, through the same checks (its T figure has no numbers to check)
-    assert [c.paper_holds for c in claims] == [True, True, True, True, True, None]
+    # (nor has it Ouro at T = 1)
+    assert [c.paper_holds for c in claims] == [True, True, True, True, True, None, None]
 
     # each claim can fail: numbers that contradict the paper are reported as such
     _demo_like_results(tmp_path / "bad", **{"melt-tiny": 0.40, "kv-sharing/last-prefill": 0.2, "components/no-chunk": 0.2,
-                                            "components/no-kd": 0.35, "gates/mean": 0.46, "melt-T3": 0.05})
+                                            "components/no-kd": 0.35, "gates/mean": 0.46, "melt-T3": 0.05,
+                                            "ouro-T1": 0.27})
     bad = paper_claims(load_results(tmp_path / "bad"))
-    assert [c.holds for c in bad] == [False] * 6, [(c.claim, c.measured) for c in bad]
+    assert [c.holds for c in bad] == [False] * 7, [(c.claim, c.measured) for c in bad]
     assert "last-prefill 0.38" in bad[1].measured and "mean 46.0" in bad[4].measured
 
     # a claim whose results are missing is n/a, never a pass
     _result(tmp_path / "partial", "melt-tiny/synthetic", {"pass@1": 0.5}, model="melt-tiny")
-    assert [c.holds for c in paper_claims(load_results(tmp_path / "partial"))] == [None] * 6
+    assert [c.holds for c in paper_claims(load_results(tmp_path / "partial"))] == [None] * 7
 
 
 def test_a_claim_resting_on_less_than_two_standard_errors_says_so_without_changing_its_verdict(tmp_path):
@@ -422,14 +426,14 @@ def test_claims_across_seeds_count_the_runs_each_claim_holds_in(tmp_path, capsys
     res = runner.invoke(app, ["claims", *dirs, "--format", "json"])
     assert res.exit_code == 0, res.output
     got = json.loads(res.output)
-    assert [(r["label"], r["claims_hold"]) for r in got["runs"]] == [("seed 0", 6), ("seed 1", 5)]
+    assert [(r["label"], r["claims_hold"]) for r in got["runs"]] == [("seed 0", 7), ("seed 1", 6)]
     gate = got["claims"][4]
     assert gate["claim"] == "The element-wise gate is the best gate"
     assert (gate["holds_in"], gate["measured_in"]) == (1, 2)
     assert [r["holds"] for r in gate["runs"]] == [True, False]
     assert gate["runs"][1]["brief"] == "45.0; scalar 48.0 (-2.1 se)"  # stderr 0.01 each: 0.03 / 0.0141
-    assert [c["holds_in"] for c in got["claims"]] == [2, 2, 2, 2, 1, 2]
-    assert [c["close_calls"] for c in got["claims"]] == [0] * 6 and [r["close_calls"] for r in got["runs"]] == [0, 0]
+    assert [c["holds_in"] for c in got["claims"]] == [2, 2, 2, 2, 1, 2, 2]
+    assert [c["close_calls"] for c in got["claims"]] == [0] * 7 and [r["close_calls"] for r in got["runs"]] == [0, 0]
     # each gate alone: the scalar gate is ahead at one seed of two, the others at none; the mean gap over the
     # seeds (+5 and -3 points against the scalar gate) with its standard error over them
     scalar, mean = got["gate_head_to_head"]["scalar"], got["gate_head_to_head"]["mean"]
@@ -445,7 +449,7 @@ def test_claims_across_seeds_count_the_runs_each_claim_holds_in(tmp_path, capsys
     assert "| ✓ 45.0; scalar 40.0 (+3.5 se) | ✗ 45.0; scalar 48.0 (-2.1 se) | 1 of 2 |" in gate_row
     ladder_row = next(line for line in lines if line.startswith("| Each other ladder"))
     assert "✓ 50.0 > 45.0 > 30.0 > 20.0" in ladder_row
-    assert "| Claims that hold | 6 of 6 | 5 of 6 |" in res.output
+    assert "| Claims that hold | 7 of 7 | 6 of 7 |" in res.output
     assert "| Close calls | 0 | 0 |" in res.output  # every gap here is over 2 standard errors
     assert ("(points, ± its standard error over the runs): scalar 1 of 2 (+1.0 ± 4.0), ema-0.2 2 of 2 (+15.0 ± 0.0), "
             "mean 2 of 2 (+10.0 ± 0.0), last 2 of 2 (+15.0 ± 0.0).") in res.output.replace("\n", " ")
@@ -529,3 +533,24 @@ def test_the_report_layer_never_imports_vllm():
             names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
                 [node.module or ""] if isinstance(node, ast.ImportFrom) else []
             assert not any("vllm" in n for n in names), f"{path.name} imports {names}"
+
+
+def test_the_teacher_needs_its_loops_claim(tmp_path):
+    from melt_eval.report.claims import paper_claims
+
+    # the teacher at T = 1 scores 26.0 against 52.0 at T = 4: exactly half, the threshold, holds
+    _demo_like_results(tmp_path / "half", **{"ouro-T1": 0.26})
+    needs = paper_claims(load_results(tmp_path / "half"))[6]
+    assert needs.claim == "The teacher needs its loops" and needs.holds
+    assert needs.values["model"] == "ouro-tiny" and needs.values["loops"] == [1, 2, 3, 4]
+    assert needs.values["pass@1"] == pytest.approx([0.26, 0.3, 0.4, 0.52]) and needs.values["ratio"] == pytest.approx(0.5)
+    assert needs.measured == "ouro-tiny pass@1 26.0 at T = 1, 52.0 at T = 4 = 0.50" and needs.brief == "26.0 / 52.0 = 0.50"
+    assert needs.paper is None and needs.paper_holds is None  # the paper has no Ouro at T = 1
+    # a teacher that solves the task in one loop (the digit-sum demo's 98% at T = 1) does not need them
+    _demo_like_results(tmp_path / "one", **{"ouro-T1": 0.51})
+    assert paper_claims(load_results(tmp_path / "one"))[6].holds is False
+    # without the teacher's T = 1 evaluation (demo --quick runs T = 2 and 4) no verdict: n/a, and the reason
+    _demo_like_results(tmp_path / "none")
+    shutil.rmtree(tmp_path / "none" / "loops" / "ouro-tiny-T1")
+    missing = paper_claims(load_results(tmp_path / "none"))[6]
+    assert missing.holds is None and missing.measured == "ouro-tiny not evaluated at T = 1 (only T = 2, 3, 4)"

@@ -81,6 +81,57 @@ def test_digit_sum_chains_are_correct_one_token_per_value_and_their_reply_domina
         assert len(tok(item["solution"])["input_ids"]) >= 3 * len(prompt), item
 
 
+@pytest.mark.parametrize("form,max_value,num_steps", [("lookup", 9, (5, 7)), ("lookup", 7, (3, 5)), ("lookup2", 8, (4, 6))])
+def test_lookup_chains_are_correct_one_token_per_value_and_need_two_lookups_a_step(tok, form, max_value, num_steps):
+    """forms "lookup" (y -> p(p(y))) and "lookup2" (y -> f(p(y))): the tables in the prompt are permutations of
+    1..max_value whose composite is one cycle through every value (no fixed point or short loop to copy
+    within the chain), every step applies them to the previous result without writing the value in
+    between, every value is one token (each step 10 tokens), the chain never comes back to a value it has
+    seen, 5-7 steps make the reply longer than its prompt, and the splits are deterministic and disjoint."""
+    kw = dict(seed=0, num_steps=num_steps, max_value=max_value, form=form)
+    train, test = synthetic.make_split("train", 1000, **kw), synthetic.make_split("test", 100, **kw)
+    assert train == synthetic.make_split("train", 1000, **kw) and train != synthetic.make_split("train", 1000, **{**kw, "seed": 1})
+    assert not {x["problem"] for x in train} & {x["problem"] for x in test}
+    digits = {tok(f" {d}")["input_ids"][0] for d in range(1, 10)}
+    assert len(digits) == 9 and all(len(tok(f" {d}")["input_ids"]) == 1 for d in range(1, 10))
+    ratios = []
+    for item in train + test:
+        *defs, start, rule = item["problem"].rstrip(".").split(". ")
+        tables = {}
+        for d in defs:  # "p = 3 5, 1 2, ..." read independently of the generator
+            name, entries = d.split(" = ")
+            pairs = [tuple(int(v) for v in e.split(" ")) for e in entries.split(", ")]
+            tables[name] = dict(pairs)
+            assert sorted(tables[name]) == sorted(tables[name].values()) == list(range(1, max_value + 1))
+        var, value = start.split(" = ")
+        count, _, var2, _, *names, var3 = rule.split(" ")
+        assert var == var2 == var3 and "".join(names) == {"lookup": "pp", "lookup2": "fp"}[form]
+        value, seen, steps = int(value), [], item["solution"].split(". ")
+        for i in range(1, int(count) + 1):
+            new = value
+            for n in reversed(names):
+                new = tables[n][new]
+            assert steps[i - 1] == f"{i}: {var} = {' '.join(names)} {value} = {new}", (item, i)
+            assert len(tok(steps[i - 1] + ".")["input_ids"]) == 10, steps[i - 1]
+            seen.append(value)
+            value = new
+        assert len(set(seen + [value])) == len(seen) + 1 <= max_value - 1  # no value twice, two or more never seen
+        assert item["answer"] == str(value) and item["solution"].endswith(f"\\boxed{{{value}}}.")
+        assert synthetic.lookup_tables(item["problem"]) == tables
+        ids = tok(item["problem"])["input_ids"]
+        # every key and value of the tables, the start and the step count: one digit token each
+        assert sum(i in digits for i in ids) == 2 * max_value * len(tables) + 2
+        prompt = tok.apply_chat_template(synthetic.to_messages(item, "solution")[:1], add_generation_prompt=True,
+                                         return_dict=True)["input_ids"]
+        ratios.append((len(tok(item["solution"])["input_ids"]) + 1) / len(prompt))
+    if num_steps[0] >= 5:  # the synthetic-lookup task's chains: the reply (with its end token) outgrows the prompt
+        assert min(ratios) > 1.2, min(ratios)
+    with pytest.raises(ValueError, match="odd"):
+        synthetic.make_split("test", 5, num_steps=(3, 4), max_value=6, form="lookup")  # p with p(p(y)) one cycle: n odd
+    with pytest.raises(ValueError, match="at most max_value - 2"):  # a chain back at its start needs no look-up
+        synthetic.make_split("test", 5, num_steps=(5, 7), max_value=5, form="lookup")
+
+
 def test_first_mistake_says_where_a_digit_sum_reply_departs_from_its_worked_solution():
     """The report's mistake table rests on this: a right reply has no mistake; each kind of mistake is found at
     its step; later steps are judged on the reply's own chain, so one wrong sum is one mistake."""

@@ -6,7 +6,7 @@ from pathlib import Path
 
 from melt_eval.errors import UserError
 from melt_eval.jsonio import read_json_lines
-from melt_eval.evaluation.tasks import MMLU_REDUX_SUBJECTS, SYNTHETIC_TEST, TaskSpec, row_id
+from melt_eval.evaluation.tasks import MMLU_REDUX_SUBJECTS, SYNTHETIC_TESTS, TaskSpec, row_id
 from melt_eval import synthetic
 
 
@@ -46,7 +46,7 @@ def check_completions_file(path: str | Path) -> None:
 def load_rows(spec: TaskSpec, data_dir: str | Path | None, max_problems: int | None) -> list[dict]:
     """The evaluation split's rows, in order, each with its position as `_position` (LightEval owns `__index`)."""
     if spec.hf_repo is None:
-        rows = synthetic.make_split("test", **SYNTHETIC_TEST)
+        rows = synthetic.make_split("test", **SYNTHETIC_TESTS[spec.name])
     elif data_dir is not None:
         rows = _read_local(spec, Path(data_dir))
     else:

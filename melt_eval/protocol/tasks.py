@@ -53,6 +53,8 @@ BENCHMARKS: dict[str, Benchmark] = {
                   note="unit tests run in a sandboxed child process (no network, time/CPU/memory/output limits)"),
         Benchmark("synthetic", None, "default", "test", 16, "math", max_new_tokens=96, num_problems=100,
                   note="built in: digit-sum chains worked step by step (melt_eval.synthetic)"),
+        Benchmark("synthetic-lookup", None, "default", "test", 16, "math", max_new_tokens=96, num_problems=100,
+                  note="built in: look-up chains, two look-ups into the prompt's table a step (melt_eval.synthetic)"),
     ]
 }
 

@@ -1,0 +1,98 @@
+"""Screen a synthetic form for the demo: train the teacher (recipe pretrain-tiny, the form's data) and
+measure its pass@1 at T = 1..4 on the form's test split (docs/results/2026-11-26-demo-task-choice.md).
+
+    python benchmarks/demo_task_screen.py --form lookup --max-value 5 --out /tmp/screen-lookup5
+
+Pass@1 here: the share of sampled replies (temperature 1.0, top-p 0.7, the demo's sampling) whose
+\\boxed{} answer equals the gold one, by exact string match (the demo scores with LightEval's math
+metric; for one-digit answers the two agree). Training prints the load average at the start and end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import time
+from pathlib import Path
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--form", required=True)
+    ap.add_argument("--max-value", type=int, default=9)
+    ap.add_argument("--steps", default="5,7")
+    ap.add_argument("--seq-len", type=int, default=128)
+    ap.add_argument("--train-n", type=int, default=20000)
+    ap.add_argument("--max-steps", type=int, default=1600)
+    ap.add_argument("--problems", type=int, default=50)
+    ap.add_argument("--samples", type=int, default=4)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--loops", default="1,2,3,4", help="T at inference, in the order evaluated")
+    ap.add_argument("--out", required=True)
+    a = ap.parse_args()
+    import torch
+
+    torch.set_num_threads(1)
+    lo, hi = (int(x) for x in a.steps.split(","))
+    out = Path(a.out)
+    data = [{"source": "synthetic", "n": a.train_n, "num_steps": [lo, hi], "max_value": a.max_value,
+             "form": a.form, "target": "solution"}]
+    overrides = {"data": data, "seq_len": a.seq_len, "batch_tokens": 16 * a.seq_len, "max_steps": a.max_steps,
+                 "save_every": a.max_steps, **({"seed": a.seed} if a.seed else {})}
+    record = {"form": a.form, "max_value": a.max_value, "steps": [lo, hi], "overrides": overrides,
+              "load_start": os.getloadavg()}
+    started = time.perf_counter()
+    if not (out / "train" / "model.safetensors").exists() and not (out / "train" / "config.json").exists():
+        from melt_eval.training import run_recipe
+
+        run_recipe("pretrain-tiny", "tiny-random-ouro", out / "train", overrides=overrides, progress=True)
+    record["train_s"] = round(time.perf_counter() - started, 1)
+    record["load_end_train"] = os.getloadavg()
+    record["pass@1"] = evaluate(out / "train", a)
+    record["load_end"] = os.getloadavg()
+    print(json.dumps(record))
+    (out / "screen.json").write_text(json.dumps(record, indent=1))
+
+
+def evaluate(checkpoint: Path, a) -> dict:
+    from transformers import AutoTokenizer
+
+    from melt_eval import synthetic
+    from melt_eval.generation.engine import generate
+    from melt_eval.generation.options import InferenceOptions
+    from melt_eval.modeling.loading import load_looped
+
+    lo, hi = (int(x) for x in a.steps.split(","))
+    rows = synthetic.make_split("test", a.problems, seed=0, num_steps=(lo, hi), max_value=a.max_value, form=a.form)
+    model = load_looped(Path(checkpoint)).eval()
+    tok = AutoTokenizer.from_pretrained(str(checkpoint))
+    prompts = [tok.apply_chat_template([{"role": "user", "content": synthetic.user_prompt(r["problem"])}],
+                                       add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
+               for r in rows]
+    scores = {}
+    for loops in (int(t) for t in a.loops.split(",")):
+        t0 = time.perf_counter()
+        res = generate(model, prompts, InferenceOptions(loops=loops), n=a.samples, temperature=1.0, top_p=0.7,
+                       max_new_tokens=96, seed=0, eos_token_id=tok.eos_token_id)
+        right = total = 0
+        by_steps: dict[int, list[int]] = {}  # step count -> [right, total]: a chain as long as its cycle leaks
+        for i, r in enumerate(rows):
+            steps = int(r["solution"].rsplit(": ", 1)[0].rsplit(" ", 1)[-1].rstrip(":")) if ": " in r["solution"] else 0
+            for seq in res.sequences[i]:
+                m = re.search(r"\\boxed\{([^{}]*)\}", tok.decode(seq, skip_special_tokens=True))
+                ok = bool(m and m[1].strip() == r["answer"])
+                right, total = right + ok, total + 1
+                counts = by_steps.setdefault(steps, [0, 0])
+                counts[0] += ok
+                counts[1] += 1
+        scores[f"T={loops}"] = round(right / total, 4)
+        scores[f"T={loops} by steps"] = {k: round(v[0] / v[1], 4) for k, v in sorted(by_steps.items())}
+        print(f"T={loops}: pass@1 {scores[f'T={loops}']:.3f}, by step count {scores[f'T={loops} by steps']} "
+              f"({time.perf_counter() - t0:.0f} s, load {os.getloadavg()[0]:.1f})", flush=True)
+    return scores
+
+
+if __name__ == "__main__":
+    main()
