@@ -24,6 +24,7 @@ from lighteval.models.model_output import ModelResponse
 from lighteval.tasks.requests import Doc
 
 from melt_eval.errors import UserError
+from melt_eval.files import check_regular_file
 from melt_eval.generation.backends import ReplayBackend
 from melt_eval.generation.options import InferenceOptions
 
@@ -49,6 +50,7 @@ class CompletionStore:
             return
         if path.is_dir():
             raise UserError(f"{path} is a directory, where the run keeps its finished problems; move it away")
+        check_regular_file(path, "the run's completions.jsonl", max_bytes=None)  # a FIFO would block
         data = path.read_bytes()
         good = 0  # bytes of whole, readable lines
         lines = data.splitlines(keepends=True)

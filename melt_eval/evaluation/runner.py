@@ -29,6 +29,7 @@ from melt_eval.evaluation.tasks import SPECS, TaskSpec, metric_name, task_config
 from melt_eval.files import DirLock, clear_directory, write_json_atomic, write_text_atomic
 from melt_eval.generation.backends import BackendSettings, ReplayBackend, make_backend
 from melt_eval.generation.options import InferenceOptions, Sampling
+from melt_eval.jsonio import read_json
 from melt_eval.protocol.tasks import expand
 from melt_eval.provenance import git_state, package_versions
 
@@ -175,8 +176,8 @@ def read_finished(task_dir: Path, identity: dict | None = None) -> dict | None:
     if not path.exists():
         return None
     try:
-        result = json.loads(path.read_text())
-    except (ValueError, RecursionError, OSError):  # unreadable: not a finished result, the task runs again
+        result = read_json(path, "a results.json")
+    except UserError:  # unreadable (or a FIFO, a device): not a finished result, the task runs again
         return None
     if not isinstance(result, dict) or result.get("finished") is not True:  # "finished": "no" is not finished
         return None
@@ -200,8 +201,8 @@ def _claim(task_dir: Path, identity: dict, force: bool) -> None:
         clear_directory(task_dir)  # all but the lock this run holds
     if run_file.exists():
         try:
-            previous = json.loads(run_file.read_text())
-        except (ValueError, RecursionError, OSError):
+            previous = read_json(run_file, "a run.json")
+        except UserError:
             previous = {}
         if not isinstance(previous, dict):
             previous = {}
