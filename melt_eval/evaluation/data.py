@@ -42,7 +42,7 @@ def check_completions_file(path: str | Path) -> None:
         raise UserError(f"completions file {path} does not exist")
     if path.is_dir():
         raise UserError(f"--completions {path} is a directory; pass a JSONL file")
-    check_regular_file(path, "--completions: a JSONL file")  # a FIFO or /dev/zero would hang or fill memory
+    check_regular_file(path, "a JSONL file for --completions")  # a FIFO or /dev/zero would hang or fill memory
 
 
 def load_rows(spec: TaskSpec, data_dir: str | Path | None, max_problems: int | None) -> list[dict]:
@@ -78,7 +78,7 @@ def _local_file(spec: TaskSpec, data_dir: Path) -> Path:
             break
     else:
         raise UserError(f"no {spec.name}.jsonl or {spec.name}.parquet in {data_dir}; add it or drop --data-dir to use the Hub")
-    check_regular_file(path, f"--data-dir's {spec.name} data file")  # a FIFO, a device or a huge file: refused unread
+    check_regular_file(path, f"a {spec.name} data file for --data-dir")  # a FIFO, a device or a huge file: refused unread
     return path
 
 
