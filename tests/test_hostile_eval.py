@@ -322,7 +322,8 @@ def test_a_full_disk_while_appending_completions_is_one_line_and_keeps_them(tmp_
 
     straight, straight_dir = uninterrupted
     out = tmp_path / "out"
-    _fail_writes_after(monkeypatch, lighteval_model, 1, OSError(errno.ENOSPC, "No space left on device"))
+    # the first problem's line and its segments.jsonl record, then half of the second problem's line
+    _fail_writes_after(monkeypatch, lighteval_model, 2, OSError(errno.ENOSPC, "No space left on device"))
     code = _main(["run", "synthetic", "--model", "tiny-random-ouro", "--output", out, "--max-problems", "3",
                   "--samples", "2", "--max-new-tokens", "4", "--no-progress"])
     _one_line_error(capsys, code, "completions.jsonl", "the disk is full", "1 problems finished before are kept")
@@ -381,9 +382,10 @@ def test_an_interrupted_and_resumed_run_reports_the_uninterrupted_numbers(tmp_pa
         _run(out)
     monkeypatch.undo()
     task_dir = out / "tiny-random-ouro" / "synthetic"
-    first = json.loads((task_dir / "completions.jsonl").read_text().splitlines()[0])
+    first = json.loads((task_dir / "segments.jsonl").read_text().splitlines()[0])
     resumed = _run(out)
-    assert (task_dir / "details.jsonl").read_text() == (straight_dir / "details.jsonl").read_text()
+    for name in ("completions.jsonl", "details.jsonl"):  # the resume checkpoint stays byte-identical
+        assert (task_dir / name).read_bytes() == (straight_dir / name).read_bytes()
     assert resumed["metrics"] == straight["metrics"]
     assert resumed["generated_tokens"] == straight["generated_tokens"]
     # the first segment's batch held all three problems: its peak is the uninterrupted run's, which the
@@ -399,7 +401,7 @@ def test_a_resumed_run_with_nothing_left_to_generate_keeps_the_peak(tmp_path, un
     shutil.copytree(straight_dir, out / "tiny-random-ouro" / "synthetic")
     task_dir = out / "tiny-random-ouro" / "synthetic"
     (task_dir / "results.json").unlink()  # killed after the last problem was stored
-    stored = max(json.loads(line)["wall_s"] for line in (task_dir / "completions.jsonl").read_text().splitlines())
+    stored = max(json.loads(line)["wall_s"] for line in (task_dir / "segments.jsonl").read_text().splitlines())
     resumed = _run(out)
     assert resumed["peak_cache_bytes"] == straight["peak_cache_bytes"] is not None
     assert resumed["generated_tokens"] == straight["generated_tokens"]

@@ -43,17 +43,22 @@ def problem_seed(seed: int, key: str) -> int:
 
 
 class CompletionStore:
-    """Append-only JSONL of finished problems: {"key", "completions", "tokens"} per line, plus what the run
-    segment that wrote it had spent so far ({"segment": id, "wall_s", "peak_cache_bytes"}), so that a run
-    resumed after an interruption reports the time, tokens and peak cache of all its segments together.
+    """Append-only JSONL of finished problems: {"key", "completions", "tokens"} per line. Beside it,
+    `segments.jsonl` records, with each stored problem, what the run segment that stored it had spent so far
+    ({"segment": id, "wall_s", "peak_cache_bytes"}), so that a run resumed after an interruption reports the
+    time and peak cache of all its segments together (completions.jsonl stays byte-identical to an
+    uninterrupted run's).
 
     `peak` returns the backend's peak cache so far in this segment (None: unknown)."""
+
+    SEGMENTS = "segments.jsonl"
 
     def __init__(self, path: Path, peak: Callable[[], int | None] = lambda: None) -> None:
         self.path = path
         self.done: dict[str, dict] = {}
         self.segment, self.started, self.peak = uuid.uuid4().hex[:12], time.perf_counter(), peak
-        self.segments: dict[str | None, dict] = {}  # segment id -> {"wall_s", "peak_cache_bytes"} (None: older lines)
+        self.segments: dict[str | None, dict] = {}  # segment id -> {"wall_s", "peak_cache_bytes"}
+        self.segments_path = path.with_name(self.SEGMENTS)
         if not path.exists():
             return
         if path.is_dir():
@@ -79,12 +84,27 @@ class CompletionStore:
                     "again) and re-run: the other finished problems are kept"
                 )
             self.done[row["key"]] = row
-            self._count(row)
             good += len(raw)
         if good < len(data):
             # a line cut by a kill: drop it (and anything after), so that new lines follow whole ones
             with open(path, "r+b") as f:
                 f.truncate(good)
+        self._read_segments()
+
+    def _read_segments(self) -> None:
+        """Earlier segments' records; bookkeeping only, so an unreadable line (cut by a kill) is skipped.
+        Problems stored by a version that kept no records count as one earlier segment of unknown cost."""
+        if self.segments_path.exists() or self.segments_path.is_symlink():
+            check_regular_file(self.segments_path, "the run's segments.jsonl", max_bytes=None)
+            for raw in self.segments_path.read_bytes().splitlines():
+                try:
+                    row = json.loads(raw.decode("utf-8"))
+                except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
+                    continue
+                if isinstance(row, dict) and isinstance(row.get("segment"), str):
+                    self._count(row)
+        if self.done and not self.segments:
+            self.segments[None] = {"wall_s": 0.0, "peak_cache_bytes": None}
 
     @staticmethod
     def valid_row(row) -> bool:
@@ -93,12 +113,11 @@ class CompletionStore:
                 and isinstance(row.get("tokens", 0), int) and not isinstance(row.get("tokens", 0), bool))
 
     def _count(self, row: dict) -> None:
-        seg = row.get("segment") if isinstance(row.get("segment"), str) else None
         wall, peak = row.get("wall_s"), row.get("peak_cache_bytes")
-        totals = self.segments.setdefault(seg, {"wall_s": 0.0, "peak_cache_bytes": None})
-        if isinstance(wall, (int, float)) and not isinstance(wall, bool):
+        totals = self.segments.setdefault(row["segment"], {"wall_s": 0.0, "peak_cache_bytes": None})
+        if isinstance(wall, (int, float)) and not isinstance(wall, bool) and wall >= 0:
             totals["wall_s"] = max(totals["wall_s"], float(wall))
-        if isinstance(peak, int) and not isinstance(peak, bool):
+        if isinstance(peak, int) and not isinstance(peak, bool) and peak > 0:
             totals["peak_cache_bytes"] = max(totals["peak_cache_bytes"] or 0, peak)
 
     def totals(self, peak_now: int | None) -> dict:
@@ -111,28 +130,34 @@ class CompletionStore:
                 "peak_cache_bytes": max(peaks) if peaks else None, "segments": len(earlier) + 1}
 
     def add(self, key: str, completions: list[str], tokens: int) -> None:
-        row = {"key": key, "completions": completions, "tokens": tokens, "segment": self.segment,
-               "wall_s": round(time.perf_counter() - self.started, 3), "peak_cache_bytes": self.peak()}
+        row = {"key": key, "completions": completions, "tokens": tokens}
+        record = {"segment": self.segment, "wall_s": round(time.perf_counter() - self.started, 3),
+                  "peak_cache_bytes": self.peak()}
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._append(self.path, row)
+        self.done[key] = row
+        self._append(self.segments_path, record)
+        self._count(record)
+
+    def _append(self, path: Path, row: dict) -> None:
+        """One whole line, fsynced; a full disk cuts the partial line and is one UserError."""
         data = (json.dumps(row) + "\n").encode("utf-8")
-        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
         try:
             size = os.fstat(fd).st_size
             view = memoryview(data)
             while view:  # unbuffered: a failed write leaves nothing queued to fail again at close
                 view = view[os.write(fd, view):]
             os.fsync(fd)
-        except OSError as exc:  # a full disk: cut the partial line, keep every whole one
+        except OSError as exc:
             try:
                 os.ftruncate(fd, size)
             except OSError:
                 pass  # a cut last line is dropped when the run resumes
-            raise write_failed(exc, self.path, f"the {len(self.done)} problems finished before are kept "
+            raise write_failed(exc, path, f"the {len(self.done)} problems finished before are kept "
                                "(the run resumes from them)") from None
         finally:
             os.close(fd)
-        self.done[key] = row
-        self._count(row)
 
 
 class _NoSampleCache:

@@ -2,6 +2,8 @@
 
     <results_dir>/<task>/run.json           the settings this directory belongs to (written first)
     <results_dir>/<task>/completions.jsonl  finished problems, appended as they finish (resume)
+    <results_dir>/<task>/segments.jsonl     per stored problem, its run segment's time and peak cache so far
+                                            (a resumed run's results.json sums and maxes them over segments)
     <results_dir>/<task>/details.jsonl      per problem: prompt, completions, extracted answers, correctness
     <results_dir>/<task>/results_<date>.json, details/<model>/<date>/details_<task>|0_<date>.parquet
                                             LightEval's own results and details (its EvaluationTracker; see outputs.py)
