@@ -14,11 +14,13 @@ killed process (its PID dead) is simply taken over; there is no stale lock to de
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import os
 import shutil
 import socket
+import stat
 import sys
 import tempfile
 import time
@@ -31,6 +33,75 @@ LOCK_NAME = ".melt-eval.lock"
 # A training run's record (recipe, code, status) in its output directory, beside the exported model:
 # training/run_files.py writes it; `run` and `serve` read its recipe (generation/options.py).
 TRAINING_META = "melt_eval_training.json"
+
+# The most a file the harness reads whole may hold: JSON(-lines) data, completions and results files are
+# read into memory and parsed (a few times their size), so a bigger one, or /dev/zero, is refused up front.
+# The paper's largest benchmark file (HLE's subset with its images) is far below this.
+MAX_READ_BYTES = 1 << 30
+
+
+def _describe_kind(mode: int) -> str:
+    if stat.S_ISDIR(mode):
+        return "a directory"
+    if stat.S_ISFIFO(mode):
+        return "a FIFO (named pipe)"
+    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
+        return "a device"
+    if stat.S_ISSOCK(mode):
+        return "a socket"
+    return "not a regular file"
+
+
+def check_regular_file(path: str | Path, what: str = "a file", max_bytes: int | None = MAX_READ_BYTES) -> int:
+    """Before any file the harness reads is opened: it exists and is a regular file (a FIFO would block the
+    open forever, a device like /dev/zero never ends), no bigger than `max_bytes` (None: any size, for
+    files read in pieces, like weights). Returns its size; anything else is a one-line UserError."""
+    path = Path(path)
+    try:
+        st = os.stat(path)  # follows symlinks: what would be opened
+    except FileNotFoundError:
+        raise UserError(f"{path} does not exist; pass {what}") from None
+    except OSError as exc:  # ELOOP (a symlink loop), ENOTDIR, EACCES, ENAMETOOLONG
+        raise UserError(f"cannot read {path} ({exc.strerror or type(exc).__name__}); pass {what}") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise UserError(f"{path} is {_describe_kind(st.st_mode)}; pass {what} (a regular file)")
+    if max_bytes is not None and st.st_size > max_bytes:
+        raise UserError(f"{path} holds {st.st_size} bytes, more than the {max_bytes >> 20} MiB limit for {what}; "
+                        "split it or pass a smaller file")
+    return st.st_size
+
+
+def check_output_path(path: str | Path, flag: str, *, directory: bool) -> None:
+    """Before anything is written to `path` (a directory when `directory`, else a file): no existing part of
+    it is of the wrong kind (`--output afile.txt/sub`, `--details /dev/full`), so no write fails half-way."""
+    path = Path(path)
+    for parent in path.parents:
+        try:
+            st = os.stat(parent)
+        except FileNotFoundError:
+            continue
+        except OSError as exc:
+            raise UserError(f"{flag} {path}: cannot use {parent} ({exc.strerror}); pass another path") from None
+        if not stat.S_ISDIR(st.st_mode):
+            raise UserError(f"{flag} {path}: {parent} is a file, not a directory; pass another path")
+        break
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return
+    except OSError as exc:
+        raise UserError(f"{flag} {path}: cannot use it ({exc.strerror}); pass another path") from None
+    if directory and not stat.S_ISDIR(st.st_mode):
+        raise UserError(f"{flag} {path} is {'a file' if stat.S_ISREG(st.st_mode) else _describe_kind(st.st_mode)}; "
+                        "pass a directory")
+    if not directory and not stat.S_ISREG(st.st_mode):
+        raise UserError(f"{flag} {path} is {_describe_kind(st.st_mode)}; pass a regular file's path")
+
+
+def write_failed(exc: OSError, path: str | Path, kept: str = "") -> UserError:
+    """The one line for a write the disk refused (full, read-only, quota): what failed and what was kept."""
+    why = "the disk is full" if exc.errno in (errno.ENOSPC, errno.EDQUOT) else (exc.strerror or type(exc).__name__)
+    return UserError(f"cannot write {path}: {why}" + (f"; {kept}" if kept else "") + "; free space and re-run")
 
 
 def fsync_dir(path: Path) -> None:

@@ -9,17 +9,16 @@ from pathlib import Path
 from typing import Iterator
 
 from melt_eval.errors import UserError
+from melt_eval.files import MAX_READ_BYTES, check_regular_file
 
 MAX_DEPTH = 64  # no harness file nests deeper; far deeper input would hit Python's recursion limit
 
 
-def read_text(path: str | Path, what: str = "a file") -> str:
-    """A file's text (UTF-8), or a UserError saying why it cannot be read."""
+def read_text(path: str | Path, what: str = "a file", max_bytes: int = MAX_READ_BYTES) -> str:
+    """A file's text (UTF-8), or a UserError saying why it cannot be read (not a regular file, over
+    `max_bytes`, not UTF-8)."""
     path = Path(path)
-    if path.is_dir():
-        raise UserError(f"{path} is a directory; pass {what}")
-    if not path.exists():
-        raise UserError(f"{path} does not exist; pass {what}")
+    check_regular_file(path, what, max_bytes)
     try:
         return path.read_bytes().decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -64,9 +63,9 @@ def parse_json(text: str, where: str, what: str = "JSON"):
     return obj
 
 
-def read_json(path: str | Path, what: str = "a JSON file"):
+def read_json(path: str | Path, what: str = "a JSON file", max_bytes: int = MAX_READ_BYTES):
     """A whole JSON file's value."""
-    return parse_json(read_text(path, what), str(path), what)
+    return parse_json(read_text(path, what, max_bytes), str(path), what)
 
 
 def read_json_lines(path: str | Path, what: str = "a JSON-lines file") -> Iterator[tuple[str, dict]]:

@@ -198,12 +198,17 @@ def register(app: typer.Typer) -> None:
         from melt_eval.errors import UserError
         from melt_eval.evaluation import score_completions
 
-        if details and (details.is_dir() or (details.parent.exists() and not details.parent.is_dir())):
-            raise UserError(f"--details {details} is a directory or inside a file; pass a file path to write")
+        from melt_eval.files import check_output_path, write_failed, write_text_atomic
+
+        if details:  # a directory, a device (/dev/full) or a path inside a file: refused before scoring
+            check_output_path(details, "--details", directory=False)
         result = score_completions(task, completions, data_dir=data_dir, unsafe_local_exec=unsafe_local_exec)
         if details:
-            details.parent.mkdir(parents=True, exist_ok=True)
-            details.write_text("".join(json.dumps(d) + "\n" for d in result["details"]))
+            try:
+                details.parent.mkdir(parents=True, exist_ok=True)
+                write_text_atomic(details, "".join(json.dumps(d) + "\n" for d in result["details"]))
+            except OSError as exc:
+                raise write_failed(exc, details, "nothing was written there") from None
         if fmt == "json":
             out = {name: m["value"] for name, m in result["metrics"].items()}
             out.update({f"{name}_stderr": m["stderr"] for name, m in result["metrics"].items()})

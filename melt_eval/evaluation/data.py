@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from melt_eval.errors import UserError
+from melt_eval.files import check_regular_file
 from melt_eval.jsonio import read_json_lines
 from melt_eval.evaluation.tasks import MMLU_REDUX_SUBJECTS, SYNTHETIC_TESTS, TaskSpec, row_id
 from melt_eval import synthetic
@@ -41,6 +42,7 @@ def check_completions_file(path: str | Path) -> None:
         raise UserError(f"completions file {path} does not exist")
     if path.is_dir():
         raise UserError(f"--completions {path} is a directory; pass a JSONL file")
+    check_regular_file(path, "a JSONL file for --completions")  # a FIFO or /dev/zero would hang or fill memory
 
 
 def load_rows(spec: TaskSpec, data_dir: str | Path | None, max_problems: int | None) -> list[dict]:
@@ -72,10 +74,11 @@ def _local_file(spec: TaskSpec, data_dir: Path) -> Path:
         path = data_dir / f"{spec.name}{suffix}"
         if path.is_dir():
             raise UserError(f"{path} is a directory; --data-dir needs the file {spec.name}.jsonl or {spec.name}.parquet")
-        if path.exists():
+        if path.exists() or path.is_symlink():
             break
     else:
         raise UserError(f"no {spec.name}.jsonl or {spec.name}.parquet in {data_dir}; add it or drop --data-dir to use the Hub")
+    check_regular_file(path, f"a {spec.name} data file for --data-dir")  # a FIFO, a device or a huge file: refused unread
     return path
 
 

@@ -16,6 +16,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import time
+import uuid
 from pathlib import Path
 from typing import Callable
 
@@ -24,6 +26,7 @@ from lighteval.models.model_output import ModelResponse
 from lighteval.tasks.requests import Doc
 
 from melt_eval.errors import UserError
+from melt_eval.files import check_regular_file, write_failed
 from melt_eval.generation.backends import ReplayBackend
 from melt_eval.generation.options import InferenceOptions
 
@@ -40,15 +43,27 @@ def problem_seed(seed: int, key: str) -> int:
 
 
 class CompletionStore:
-    """Append-only JSONL of finished problems: {"key", "completions", "tokens"} per line."""
+    """Append-only JSONL of finished problems: {"key", "completions", "tokens"} per line. Beside it,
+    `segments.jsonl` records, with each stored problem, what the run segment that stored it had spent so far
+    ({"segment": id, "wall_s", "peak_cache_bytes"}), so that a run resumed after an interruption reports the
+    time and peak cache of all its segments together (completions.jsonl stays byte-identical to an
+    uninterrupted run's).
 
-    def __init__(self, path: Path) -> None:
+    `peak` returns the backend's peak cache so far in this segment (None: unknown)."""
+
+    SEGMENTS = "segments.jsonl"
+
+    def __init__(self, path: Path, peak: Callable[[], int | None] = lambda: None) -> None:
         self.path = path
         self.done: dict[str, dict] = {}
+        self.segment, self.started, self.peak = uuid.uuid4().hex[:12], time.perf_counter(), peak
+        self.segments: dict[str | None, dict] = {}  # segment id -> {"wall_s", "peak_cache_bytes"}
+        self.segments_path = path.with_name(self.SEGMENTS)
         if not path.exists():
             return
         if path.is_dir():
             raise UserError(f"{path} is a directory, where the run keeps its finished problems; move it away")
+        check_regular_file(path, "the run's completions.jsonl", max_bytes=None)  # a FIFO would block
         data = path.read_bytes()
         good = 0  # bytes of whole, readable lines
         lines = data.splitlines(keepends=True)
@@ -74,6 +89,22 @@ class CompletionStore:
             # a line cut by a kill: drop it (and anything after), so that new lines follow whole ones
             with open(path, "r+b") as f:
                 f.truncate(good)
+        self._read_segments()
+
+    def _read_segments(self) -> None:
+        """Earlier segments' records; bookkeeping only, so an unreadable line (cut by a kill) is skipped.
+        Problems stored by a version that kept no records count as one earlier segment of unknown cost."""
+        if self.segments_path.exists() or self.segments_path.is_symlink():
+            check_regular_file(self.segments_path, "the run's segments.jsonl", max_bytes=None)
+            for raw in self.segments_path.read_bytes().splitlines():
+                try:
+                    row = json.loads(raw.decode("utf-8"))
+                except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
+                    continue
+                if isinstance(row, dict) and isinstance(row.get("segment"), str):
+                    self._count(row)
+        if self.done and not self.segments:
+            self.segments[None] = {"wall_s": 0.0, "peak_cache_bytes": None}
 
     @staticmethod
     def valid_row(row) -> bool:
@@ -81,16 +112,54 @@ class CompletionStore:
                 and all(isinstance(c, str) for c in row["completions"])
                 and isinstance(row.get("tokens", 0), int) and not isinstance(row.get("tokens", 0), bool))
 
+    def _count(self, row: dict) -> None:
+        wall, peak = row.get("wall_s"), row.get("peak_cache_bytes")
+        totals = self.segments.setdefault(row["segment"], {"wall_s": 0.0, "peak_cache_bytes": None})
+        if isinstance(wall, (int, float)) and not isinstance(wall, bool) and wall >= 0:
+            totals["wall_s"] = max(totals["wall_s"], float(wall))
+        if isinstance(peak, int) and not isinstance(peak, bool) and peak > 0:
+            totals["peak_cache_bytes"] = max(totals["peak_cache_bytes"] or 0, peak)
+
+    def totals(self, peak_now: int | None) -> dict:
+        """wall_time_s (summed), peak_cache_bytes (the maximum) and segments over every segment of the run,
+        this one (running since `started`, its peak `peak_now`) included. An earlier segment's time counts up
+        to its last stored problem: what it did after that was lost with it and is done again by a later one."""
+        earlier = {s: t for s, t in self.segments.items() if s != self.segment}
+        peaks = [t["peak_cache_bytes"] for t in earlier.values() if t["peak_cache_bytes"]] + ([peak_now] if peak_now else [])
+        return {"wall_time_s": round(sum(t["wall_s"] for t in earlier.values()) + time.perf_counter() - self.started, 3),
+                "peak_cache_bytes": max(peaks) if peaks else None, "segments": len(earlier) + 1}
+
     def add(self, key: str, completions: list[str], tokens: int, loop_counts: list[int] | None = None) -> None:
         row = {"key": key, "completions": completions, "tokens": tokens}
         if loop_counts is not None:  # --exit: its generated tokens that ran 1, 2, ..., T loops
             row["loop_counts"] = loop_counts
+        record = {"segment": self.segment, "wall_s": round(time.perf_counter() - self.started, 3),
+                  "peak_cache_bytes": self.peak()}
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.path, "a") as f:
-            f.write(json.dumps(row) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
+        self._append(self.path, row)
         self.done[key] = row
+        self._append(self.segments_path, record)
+        self._count(record)
+
+    def _append(self, path: Path, row: dict) -> None:
+        """One whole line, fsynced; a full disk cuts the partial line and is one UserError."""
+        data = (json.dumps(row) + "\n").encode("utf-8")
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            size = os.fstat(fd).st_size
+            view = memoryview(data)
+            while view:  # unbuffered: a failed write leaves nothing queued to fail again at close
+                view = view[os.write(fd, view):]
+            os.fsync(fd)
+        except OSError as exc:
+            try:
+                os.ftruncate(fd, size)
+            except OSError:
+                pass  # a cut last line is dropped when the run resumes
+            raise write_failed(exc, path, f"the {len(self.done)} problems finished before are kept "
+                               "(the run resumes from them)") from None
+        finally:
+            os.close(fd)
 
 
 class _NoSampleCache:

@@ -2,6 +2,8 @@
 
     <results_dir>/<task>/run.json           the settings this directory belongs to (written first)
     <results_dir>/<task>/completions.jsonl  finished problems, appended as they finish (resume)
+    <results_dir>/<task>/segments.jsonl     per stored problem, its run segment's time and peak cache so far
+                                            (a resumed run's results.json sums and maxes them over segments)
     <results_dir>/<task>/details.jsonl      per problem: prompt, completions, extracted answers, correctness
     <results_dir>/<task>/results_<date>.json, details/<model>/<date>/details_<task>|0_<date>.parquet
                                             LightEval's own results and details (its EvaluationTracker; see outputs.py)
@@ -17,7 +19,6 @@ registry to melt-eval's task configs and hands LightEval the rows the harness lo
 from __future__ import annotations
 
 import json
-import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +30,7 @@ from melt_eval.evaluation.tasks import SPECS, TaskSpec, metric_name, task_config
 from melt_eval.files import DirLock, clear_directory, write_json_atomic, write_text_atomic
 from melt_eval.generation.backends import BackendSettings, ReplayBackend, make_backend
 from melt_eval.generation.options import InferenceOptions, Sampling
+from melt_eval.jsonio import read_json
 from melt_eval.protocol.tasks import expand
 from melt_eval.provenance import git_state, package_versions
 
@@ -191,8 +193,8 @@ def read_finished(task_dir: Path, identity: dict | None = None) -> dict | None:
     if not path.exists():
         return None
     try:
-        result = json.loads(path.read_text())
-    except (ValueError, RecursionError, OSError):  # unreadable: not a finished result, the task runs again
+        result = read_json(path, "a results.json")
+    except UserError:  # unreadable (or a FIFO, a device): not a finished result, the task runs again
         return None
     if not isinstance(result, dict) or result.get("finished") is not True:  # "finished": "no" is not finished
         return None
@@ -216,8 +218,8 @@ def _claim(task_dir: Path, identity: dict, force: bool) -> None:
         clear_directory(task_dir)  # all but the lock this run holds
     if run_file.exists():
         try:
-            previous = json.loads(run_file.read_text())
-        except (ValueError, RecursionError, OSError):
+            previous = read_json(run_file, "a run.json")
+        except UserError:
             previous = {}
         if not isinstance(previous, dict):
             previous = {}
@@ -259,8 +261,20 @@ class LoadedModel:
     def check_request(self, sampling: Sampling) -> None:
         """Refuse, before any file is written or cache allocated, what cannot run: positions beyond the
         model's limit, or a cache that cannot hold even one sample of a one-token prompt."""
-        from melt_eval.generation.engine import plan_waves
+        from melt_eval.generation.engine import free_device_bytes, plan_waves
 
+        # what one problem's samples hold outside the cache, whatever the backend: a row of logits each
+        # (native engine) and the generated token ids kept until the problem is stored (8 bytes at least
+        # each); a request that cannot fit in host memory is refused before anything is allocated
+        vocab = getattr(getattr(self.model, "config", None), "vocab_size", None) or 0
+        need = sampling.samples * (4 * vocab + 8 * sampling.max_new_tokens)
+        free = free_device_bytes("cpu")
+        if need > free:
+            from melt_eval.units import format_bytes
+
+            raise UserError(f"--samples {sampling.samples} x --max-new-tokens {sampling.max_new_tokens} need at least "
+                            f"{format_bytes(need)} of host memory for one problem, more than the {format_bytes(free)} "
+                            "available; lower --samples or --max-new-tokens")
         if self.model is not None:
             plan_waves(self.model, prompt_tokens=1, max_new_tokens=sampling.max_new_tokens, rows=1,
                        kv_sharing=self.options.kv_sharing, share_prompt=self.options.share_prompt,
@@ -381,12 +395,60 @@ def _run_one(spec, rows, loaded: LoadedModel, options: InferenceOptions, identit
     from melt_eval.evaluation.outputs import finish_stamp, write_samples
     from melt_eval.progress import task_progress
 
-    store = CompletionStore(task_dir / "completions.jsonl")
-    started = time.perf_counter()
+    store = CompletionStore(task_dir / "completions.jsonl", peak=lambda: loaded.backend.peak_cache_bytes or None)
     with task_progress(f"{identity['model']} / {spec.name}", len(rows), options.sampling.samples,
                        enabled=progress) as on_batch:
         model = HarnessModel(loaded.display, loaded.tokenizer, loaded.backend, options, store, on_batch=on_batch)
-        metrics, details, (lighteval_files, lighteval_date) = evaluate(spec, rows, model, task_dir / ".lighteval", save_to=task_dir)
+        with out_of_memory_as_user_error(len(store.done)):
+            metrics, details, (lighteval_files, lighteval_date) = evaluate(spec, rows, model, task_dir / ".lighteval",
+                                                                           save_to=task_dir)
+    with disk_errors_as_user_error(task_dir):
+        return _finish(spec, rows, loaded, options, identity, task_dir, store, metrics, details, lighteval_files,
+                       lighteval_date, log_samples)
+
+
+OOM_MESSAGES = ("can't allocate memory", "out of memory", "not enough memory")
+
+
+@contextmanager
+def out_of_memory_as_user_error(kept: int):
+    """An allocation the engine's budget did not foresee (host or GPU) is one line naming what to lower;
+    the problems finished so far stay in completions.jsonl."""
+    import torch
+
+    try:
+        yield
+    except (MemoryError, torch.OutOfMemoryError) as exc:
+        raise _oom(exc, kept) from None
+    except RuntimeError as exc:
+        if not any(m in str(exc).lower() for m in OOM_MESSAGES):
+            raise
+        raise _oom(exc, kept) from None
+
+
+def _oom(exc: BaseException, kept: int) -> UserError:
+    return UserError(f"ran out of memory while generating ({type(exc).__name__}); lower --samples, --max-new-tokens or "
+                     f"--max-cache-bytes and re-run: finished problems "
+                     f"are kept in completions.jsonl and resume")
+
+
+@contextmanager
+def disk_errors_as_user_error(task_dir: Path):
+    """A full (or read-only) disk while the result files are written: one line; completions.jsonl is kept
+    and the next run resumes from it (each file is written atomically: none is left cut)."""
+    try:
+        yield
+    except OSError as exc:
+        from melt_eval.files import write_failed
+
+        raise write_failed(exc, getattr(exc, "filename", None) or task_dir,
+                           "the finished problems are kept in completions.jsonl and the run resumes from them") from None
+
+
+def _finish(spec, rows, loaded, options, identity, task_dir: Path, store, metrics, details, lighteval_files,
+            lighteval_date, log_samples: bool) -> dict:
+    from melt_eval.evaluation.outputs import finish_stamp, write_samples
+
     write_text_atomic(task_dir / "details.jsonl", "".join(json.dumps(row) + "\n" for row in details))
     date, date_id = finish_stamp()  # this run's finish: a resumed run's is its own, not the interrupted one's
     if log_samples:
@@ -396,9 +458,12 @@ def _run_one(spec, rows, loaded: LoadedModel, options: InferenceOptions, identit
     result = {
         "model": identity["model"], "task": spec.name, "finished": True, "metrics": metrics,
         "settings": identity["settings"], "model_path": identity["model_path"], "config_hash": identity["config_hash"],
-        "versions": versions(), "wall_time_s": round(time.perf_counter() - started, 3),
+        "versions": versions(),
+        # over every segment of a run interrupted and resumed, as an uninterrupted run would report them:
+        # wall_time_s and generated_tokens summed, peak_cache_bytes the largest, and how many segments
+        **store.totals(loaded.backend.peak_cache_bytes or None),
         "generated_tokens": sum(r.get("tokens", 0) for r in store.done.values()),
-        "peak_cache_bytes": loaded.backend.peak_cache_bytes or None, "num_problems": len(rows),
+        "num_problems": len(rows),
         "date": date, "git_commit": code.get("git_sha"), "git_dirty": code.get("git_dirty"),
         "lighteval_files": lighteval_files,  # relative to this directory
     }

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 from dataclasses import dataclass
@@ -11,6 +12,7 @@ from pathlib import Path
 import torch
 
 from melt_eval.errors import UserError
+from melt_eval.files import check_regular_file
 from melt_eval.jsonio import read_json
 from melt_eval.modeling.looplm import LoopLMForCausalLM
 from melt_eval.modeling.melt import MeltForCausalLM
@@ -24,6 +26,16 @@ LOOPED_TYPES = ("ouro", "melt")
 # a checkpoint whose config says one thing and whose architecture another is refused.
 ARCHITECTURES = {"LoopLMForCausalLM": "ouro", "OuroForCausalLM": "ouro", "MeltForCausalLM": "melt"}
 FLOAT_DTYPES = ("F16", "BF16", "F32", "F64", "F8_E4M3", "F8_E5M2")
+DTYPE_BYTES = {"F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 2, "BF16": 2, "I16": 2, "U16": 2,
+               "F8_E4M3": 1, "F8_E5M2": 1, "I8": 1, "U8": 1, "BOOL": 1}
+# Config numbers that must be finite and > 0: NaN or 0 here loads, then generates U+FFFD text that scores.
+POSITIVE_FLOAT_FIELDS = ("rope_theta", "rms_norm_eps")
+CONFIG_MAX_BYTES = 16 << 20  # a config.json is kilobytes; more is not one
+# Up to this many parameters every value is checked for NaN/inf on load (a pass over the weights, about
+# as long as reading them once); beyond it each tensor is checked at SAMPLED_VALUES evenly spaced values
+# plus its first and last rows, and the error and docs say the check was sampled.
+FULL_FINITE_CHECK_PARAMS = 4_000_000_000
+SAMPLED_VALUES = 1 << 16
 # Config fields a looped checkpoint needs as whole numbers >= 1 (loops included: T = 0 runs nothing).
 LOOPED_INT_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                      "total_ut_steps", "max_position_embeddings")
@@ -36,18 +48,15 @@ def read_config(model_dir: Path) -> dict:
     config_file = Path(model_dir) / "config.json"
     if not config_file.exists():
         raise UserError(f"{model_dir} has no config.json; pass a Hugging Face checkpoint directory")
-    config = read_json(config_file, "a model config (config.json)")
+    config = read_json(config_file, "a model config (config.json)", max_bytes=CONFIG_MAX_BYTES)
     if not isinstance(config, dict):
         raise UserError(f"{config_file} must be a JSON object of config fields, got a {type(config).__name__}")
     model_type = config.get("model_type")
     if not isinstance(model_type, str) or not model_type:
         raise UserError(f"{config_file} has no model_type; a checkpoint's config names its architecture "
                         "(\"ouro\", \"melt\", \"llama\", ...)")
-    architectures = config.get("architectures")
-    for arch in architectures if isinstance(architectures, list) else []:
-        if arch in ARCHITECTURES and ARCHITECTURES[arch] != model_type:
-            raise UserError(f"{config_file}: model_type {model_type!r} does not match its architecture {arch} "
-                            f"(model_type {ARCHITECTURES[arch]!r}); fix the config")
+    _check_architectures(config_file, config)
+    _check_positive_floats(config_file, config)
     if model_type not in LOOPED_TYPES:
         _check_known_architecture(config_file, config)
     if model_type in LOOPED_TYPES:
@@ -58,6 +67,51 @@ def read_config(model_dir: Path) -> dict:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise UserError(f"{config_file}: {name} must be a whole number >= 1, got {value!r}")
     return config
+
+
+def _check_architectures(config_file: Path, config: dict) -> None:
+    """`architectures` names the class of `model_type`: a looped type only its own classes; any other type
+    none of the looped classes, and no causal-LM class transformers maps to another model_type."""
+    model_type, architectures = config["model_type"], config.get("architectures")
+    if architectures is None:
+        return
+    if not isinstance(architectures, list) or not all(isinstance(a, str) for a in architectures):
+        raise UserError(f"{config_file}: architectures must be a list of class names, got {architectures!r}")
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    others = {}  # causal-LM class name -> a model_type transformers loads it for
+    for mtype, names in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.items():
+        for name in (names,) if isinstance(names, str) else names:
+            others.setdefault(name, mtype)
+    for arch in architectures:
+        owner = ARCHITECTURES.get(arch) or others.get(arch)
+        if model_type in LOOPED_TYPES:
+            if ARCHITECTURES.get(arch) == model_type:
+                continue
+            owner = owner or "another"
+        elif owner is None or arch in _causal_lm_names(model_type):
+            continue
+        raise UserError(f"{config_file}: model_type {model_type!r} does not match its architecture {arch} "
+                        f"(model_type {owner!r}); fix the config (architectures and model_type must agree)")
+
+
+def _causal_lm_names(model_type: str) -> set:
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    names = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type, ())
+    return {names} if isinstance(names, str) else set(names)
+
+
+def _check_positive_floats(config_file: Path, config: dict) -> None:
+    """rope_theta and rms_norm_eps (top level, or in transformers' rope_parameters) finite and > 0."""
+    rope = config.get("rope_parameters") if isinstance(config.get("rope_parameters"), dict) else {}
+    for where, values in (("", config), ("rope_parameters.", rope)):
+        for name in POSITIVE_FLOAT_FIELDS:
+            if name not in values or values[name] is None:
+                continue
+            value = values[name]
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+                raise UserError(f"{config_file}: {where}{name} must be a finite number > 0, got {value!r}; fix the config")
 
 
 def _check_known_architecture(config_file: Path, config: dict) -> None:
@@ -85,7 +139,7 @@ def check_safetensors(path: Path) -> dict[str, tuple[str, list[int]]]:
     """{tensor name: (dtype, shape)} from a safetensors file's header, after checking that the file is
     whole: a readable header and every tensor's bytes inside the file (nothing is loaded)."""
     path = Path(path)
-    size = path.stat().st_size
+    size = check_regular_file(path, "a safetensors weights file", max_bytes=None)  # not a directory, FIFO or loop
 
     def bad(why: str):
         raise UserError(f"{path} is not a valid safetensors file ({why}); re-download or re-save the checkpoint")
@@ -103,7 +157,7 @@ def check_safetensors(path: Path) -> dict[str, tuple[str, list[int]]]:
         bad("unreadable header")
     if not isinstance(header, dict):
         bad("header is not a JSON object")
-    tensors, end = {}, 0
+    tensors, spans, end = {}, [], 0
     for name, info in header.items():
         if name == "__metadata__":
             continue
@@ -112,8 +166,15 @@ def check_safetensors(path: Path) -> dict[str, tuple[str, list[int]]]:
             assert isinstance(dtype, str) and all(isinstance(d, int) and d >= 0 for d in shape) and 0 <= start <= stop
         except (KeyError, TypeError, ValueError, AssertionError):
             bad(f"entry {name!r} has no valid dtype/shape/data_offsets")
+        if dtype in DTYPE_BYTES and stop - start != math.prod(shape) * DTYPE_BYTES[dtype]:
+            bad(f"tensor {name} of shape {list(shape)} {dtype} spans {stop - start} bytes")
         tensors[name] = (dtype, list(shape))
+        spans.append((start, stop, name))
         end = max(end, stop)
+    spans.sort()
+    for (_, stop, first), (start, _, second) in zip(spans, spans[1:]):
+        if start < stop:  # two tensors over the same bytes: writing one would change the other
+            bad(f"tensors {first} and {second} share bytes")
     if 8 + header_len + end != size:
         bad(f"the tensors need {8 + header_len + end} bytes, the file has {size}: truncated or padded")
     return tensors
@@ -183,19 +244,65 @@ def load_looped(model_dir: Path, dtype=torch.float32, device="cpu"):
     except _load_errors() as exc:
         raise UserError(f"cannot load {model_dir}: {_first_line(exc)}") from None
     _check_loading_info(model_dir, model, info)
+    check_finite(model_dir, model)
     return model.to(device).eval()
+
+
+def check_finite(model_dir: Path, model) -> None:
+    """No NaN or inf in the weights (they generate U+FFFD text that still gets a score): every value up to
+    FULL_FINITE_CHECK_PARAMS parameters, a sample of each tensor beyond (the message says which)."""
+    params = list(model.named_parameters())
+    full = sum(p.numel() for _, p in params) <= FULL_FINITE_CHECK_PARAMS
+    with torch.no_grad():
+        for name, p in params:
+            flat = p.detach().reshape(-1)
+            if not full and flat.numel() > SAMPLED_VALUES:
+                step = flat.numel() // SAMPLED_VALUES
+                rows = p.detach()[[0, -1]].reshape(-1) if p.dim() > 1 else flat[:0]
+                flat = torch.cat([flat[::step], rows])
+            for piece in flat.split(1 << 24):  # [16M] at a time: a bool copy of a whole embedding is large
+                if not bool(torch.isfinite(piece).all()):
+                    how = "every value checked" if full else f"sampled check: {SAMPLED_VALUES} values per tensor"
+                    raise UserError(f"{model_dir}: tensor {name} holds NaN or inf values ({how}); the weights are "
+                                    "damaged: re-download or re-save the checkpoint")
+
+
+def check_chat_template(model_dir: Path, tokenizer) -> None:
+    """The chat template compiles and renders a one-message conversation in transformers' sandboxed Jinja
+    environment, at load time: broken Jinja or a template reaching outside the sandboxed environment
+    (template injection) is a one-line error, not a traceback in the middle of a run."""
+    if not getattr(tokenizer, "chat_template", None):
+        return
+    from jinja2.exceptions import TemplateError
+
+    try:
+        tokenizer.apply_chat_template([{"role": "user", "content": "1 + 1 = ?"}], tokenize=False,
+                                      add_generation_prompt=True)
+    except TemplateError as exc:
+        raise UserError(f"the chat template of {model_dir} cannot be used ({type(exc).__name__}: {_first_line(exc)}); "
+                        "fix chat_template in tokenizer_config.json or chat_template.jinja") from None
+
+
+def check_files(model_dir: Path) -> None:
+    """Every file the loaders open (configs, tokenizer files, weights, templates) is a regular file: a FIFO
+    would block the open forever, a directory or symlink loop would fail inside transformers."""
+    for path in sorted(Path(model_dir).iterdir()):
+        if path.name.endswith((".json", ".safetensors", ".jinja", ".txt", ".model")):
+            check_regular_file(path, "a checkpoint file", max_bytes=None)
 
 
 def load_tokenizer(model_dir: Path):
     from transformers import AutoTokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(str(model_dir))
+        tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     except Exception as exc:  # tokenizers and transformers raise many types for a broken file
         files = sorted(p.name for p in Path(model_dir).iterdir() if p.name.startswith(("tokenizer", "vocab", "merges",
                                                                                          "special_tokens")))
         raise UserError(f"cannot load the tokenizer of {model_dir} ({', '.join(files) or 'no tokenizer files'}): "
                         f"{_first_line(exc)}; fix or re-download those files") from None
+    check_chat_template(model_dir, tokenizer)
+    return tokenizer
 
 
 # A Hugging Face repository id: ORG/NAME, letters, digits, "-", "_" and "." (no "--" or ".." inside).
@@ -371,6 +478,7 @@ def load_model(name_or_path: str | Path, dtype=torch.float32, device="cpu", revi
     """(model, tokenizer) for a registry name or a checkpoint directory; the checkpoint is checked first
     (config.json, every weights file, config and weights agreeing), so a broken one is a UserError."""
     model_dir = resolve_model_dir(str(name_or_path), revision)
+    check_files(model_dir)
     if checkpoint_model_type(model_dir) in LOOPED_TYPES:
         model = load_looped(model_dir, dtype=dtype, device=device)
     else:
@@ -383,5 +491,6 @@ def load_model(name_or_path: str | Path, dtype=torch.float32, device="cpu", revi
         except _load_errors() as exc:
             raise UserError(f"cannot load {model_dir}: {_first_line(exc)}") from None
         _check_loading_info(model_dir, model, info)
+        check_finite(model_dir, model)
         model = model.to(device).eval()
     return model, load_tokenizer(model_dir)

@@ -38,6 +38,8 @@ import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from melt_eval.errors import UserError
+from melt_eval.jsonio import read_text
 from melt_eval.protocol import variants
 from melt_eval.report.results import Result, ResultSet, load_results
 
@@ -141,11 +143,11 @@ def problem_scores(result: Result) -> dict[tuple, float] | None:
     name = "pass@1" if "pass@1" in result.metrics else "accuracy"
     value = first_score(result)
     try:
-        lines = (result.path.parent / "details.jsonl").read_text().splitlines()
+        lines = read_text(result.path.parent / "details.jsonl", "a details.jsonl").splitlines()
         rows = [json.loads(line) for line in lines if line.strip()]
         scores = {(r["index"] if r["index"] is not None else i, str(r["gold"])): float(r["metrics"][name])
                   for i, r in enumerate(rows)}
-    except (OSError, ValueError, TypeError, KeyError):
+    except (OSError, ValueError, TypeError, KeyError, UserError):
         return None
     if not scores or len(scores) != len(rows) or value is None or abs(sum(scores.values()) / len(scores) - value) > 1e-6:
         return None
@@ -493,8 +495,8 @@ def results_root(directory: Path) -> Path:
 
 def _demo_label(directory: Path) -> str | None:
     try:
-        demo = json.loads((directory / "demo.json").read_text())
-    except (OSError, ValueError):
+        demo = json.loads(read_text(directory / "demo.json", "a demo.json"))
+    except (OSError, ValueError, UserError):
         return None
     if not isinstance(demo, dict) or demo.get("seed") is None:
         return None

@@ -51,12 +51,18 @@ def register(app: typer.Typer, *, load_measure_kv: Callable[[], Callable] | None
         if results is not None and not results.is_dir():  # a typo must not quietly give the paper's tables
             raise UserError(f"--results {results} is not a directory; pass the folder run/ablate wrote (default results/)")
         results = results or Path("results")
+        from melt_eval.files import check_output_path, write_failed
+
         for flag, path in (("--output", output), ("--plots-dir", plots_dir)):
-            if path is not None and path.exists() and not path.is_dir():
-                raise UserError(f"{flag} {path} is a file; pass a directory")
-        out = write_report(results, output or results / "report", latex=latex, markdown=markdown, paper=paper,
-                           plots=plots, plot_task=plot_task,
-                           plots_dir=plots_dir or (None if output else Path("plots")))
+            if path is not None:  # a file, or a path through one (afile.txt/sub): refused before anything is written
+                check_output_path(path, flag, directory=True)
+        target = output or results / "report"
+        try:
+            out = write_report(results, target, latex=latex, markdown=markdown, paper=paper,
+                               plots=plots, plot_task=plot_task,
+                               plots_dir=plots_dir or (None if output else Path("plots")))
+        except OSError as exc:  # a full or read-only disk while writing the files
+            raise write_failed(exc, getattr(exc, "filename", None) or target) from None
         print_tables(out["tables"])
         if out["source"] == "paper":
             typer.echo(f"No results under {results}: these are the paper's own tables.")

@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass, field
 
 from melt_eval.errors import UserError
 from melt_eval.cache_layout import layout_of
+from melt_eval.jsonio import read_text
 from melt_eval.registry import MODELS, ModelSpec, get_spec
 from melt_eval.report.paper import paper_memory
 from melt_eval.report.render import Cell, Row, Table
@@ -100,9 +101,9 @@ def kv_bytes_per_token_at(model: str, model_path: str | None, loops: int | None,
     if cfg_path is None or not cfg_path.is_file():
         return None
     try:
-        cfg = json.loads(cfg_path.read_text(encoding="utf-8"))
+        cfg = json.loads(read_text(cfg_path, "a config.json"))
         return layout_of(cfg, loops=loops, kv_sharing=kv_sharing).bytes_per_token(BYTES_PER_PARAM)
-    except (OSError, ValueError, KeyError, TypeError):
+    except (OSError, ValueError, KeyError, TypeError, UserError):
         return None
 
 

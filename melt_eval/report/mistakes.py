@@ -16,6 +16,8 @@ import json
 from collections import Counter
 from dataclasses import dataclass, field
 
+from melt_eval.errors import UserError
+from melt_eval.jsonio import read_text
 from melt_eval.report.render import Cell, Row, Table
 from melt_eval.report.results import Result, ResultSet
 
@@ -42,7 +44,7 @@ def count_mistakes(result: Result, rows: list[dict]) -> Mistakes | None:
         return None
     out = Mistakes()
     try:
-        lines = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        lines = [json.loads(line) for line in read_text(path, "a details.jsonl").splitlines() if line.strip()]
         for line in lines:
             row = rows[line["index"]]
             if str(line["gold"]) != row["answer"]:
@@ -57,7 +59,7 @@ def count_mistakes(result: Result, rows: list[dict]) -> Mistakes | None:
                     out.kinds[found[1] if found else UNPLACED] += 1
                 elif found is not None:
                     out.right_but_flawed += 1
-    except (OSError, ValueError, KeyError, IndexError, TypeError):
+    except (OSError, ValueError, KeyError, IndexError, TypeError, UserError):
         return None
     return out
 

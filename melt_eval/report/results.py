@@ -116,6 +116,66 @@ class Malformed(ValueError):
     """A results.json that parses but does not hold what the contract says."""
 
 
+def _schema():
+    """The types docs/CONTRACTS.md "Results files" gives the fields the report reads (pydantic, strict: a
+    list where a number belongs is refused, not coerced); other fields pass through. Metric values are
+    checked by `_fraction` below (they may be a bare number or {"value", "stderr"})."""
+    from typing import Any, Optional
+
+    from pydantic import BaseModel, ConfigDict, StrictBool, StrictInt, StrictStr
+
+    Number = Optional[float]
+
+    class Settings(BaseModel):
+        model_config = ConfigDict(extra="allow", strict=True)
+        samples: Optional[StrictInt] = None
+        temperature: Number = None
+        top_p: Number = None
+        max_new_tokens: Optional[StrictInt] = None
+        seed: Optional[StrictInt] = None
+        backend: Optional[StrictStr] = None
+        loops: Optional[StrictInt] = None
+        kv_sharing: Optional[StrictStr] = None
+        share_prompt: Optional[StrictBool] = None
+        prefill_chunk: Optional[StrictInt] = None
+        max_problems: Optional[StrictInt] = None
+
+    class Results(BaseModel):
+        model_config = ConfigDict(extra="allow", strict=True)
+        model: Optional[StrictStr] = None
+        task: Optional[StrictStr] = None
+        finished: StrictBool = True
+        metrics: Optional[dict[str, Any]] = None
+        settings: Optional[Settings] = None
+        model_path: Optional[StrictStr] = None
+        config_hash: Optional[StrictStr] = None
+        wall_time_s: Number = None
+        generated_tokens: Optional[StrictInt] = None
+        peak_cache_bytes: Optional[StrictInt] = None
+        num_problems: Optional[StrictInt] = None
+        segments: Optional[StrictInt] = None
+
+    return Results
+
+
+_SCHEMA = []
+
+
+def check_schema(raw: dict) -> None:
+    """Malformed naming the first field of the wrong type (e.g. `settings.loops is a list, not an integer`)."""
+    from pydantic import ValidationError
+
+    if not _SCHEMA:
+        _SCHEMA.append(_schema())
+    try:
+        _SCHEMA[0].model_validate(raw)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first["loc"]) or "the file"
+        got = type(first.get("input")).__name__
+        raise Malformed(f"{where} is a {got}: {first['msg'].lower()}") from None
+
+
 def _fraction(value, what: str) -> float:
     """A metric value or stderr: a finite number in [0, 1] (LightEval's convention), else Malformed."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or not 0 <= value <= 1:
@@ -127,6 +187,7 @@ def _read(path: Path, task_dir: str) -> Result:
     raw = read_json(path, "a results.json")
     if not isinstance(raw, dict):
         raise Malformed(f"holds a {type(raw).__name__}, not a JSON object")
+    check_schema(raw)
     metrics = {}
     raw_metrics = raw.get("metrics") or {}
     if not isinstance(raw_metrics, dict):
