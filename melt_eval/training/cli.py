@@ -50,6 +50,22 @@ def register(app: typer.Typer) -> None:
         if phase == 2 and interpolation_steps is None:
             overrides["interpolation_steps"] = 0  # phase 2 runs at alpha = 1
         resolved = load_recipe(recipe, config_file=config, overrides=overrides)
-        out = run_recipe(resolved, output=output, resume=resume, progress=progress, push_to_hub=push_to_hub,
-                         hub_model_id=hub_model_id)
+        try:
+            out = run_recipe(resolved, output=output, resume=resume, progress=progress, push_to_hub=push_to_hub,
+                             hub_model_id=hub_model_id)
+        except KeyboardInterrupt:  # at any moment: start-up, a step, a save (each leaves a resumable directory)
+            typer.secho(f"interrupted: {interrupted_note(output)}", fg=typer.colors.YELLOW, err=True)
+            raise typer.Exit(130) from None
         typer.echo(f"trained model written to {out}")
+
+
+def interrupted_note(output: Path) -> str:
+    """What a Ctrl-C left in `output` and the command that continues from it."""
+    from melt_eval.training.checkpoints import resume_candidates
+    from melt_eval.training.runs import NOT_STARTED, run_state
+
+    if run_state(output) == NOT_STARTED:
+        return "nothing was written yet; run the same command again (without --resume)"
+    complete, _ = resume_candidates(output)
+    where = f"from {complete[0].name}" if complete else "from step 0 (no checkpoint was complete yet)"
+    return f"rerun the same command with --resume to continue {where}"
