@@ -253,7 +253,7 @@ def clear_directory(directory: Path) -> None:
 # --- content hashes: a checkpoint checked by what it holds, not only by its sizes ---------------------------
 
 SUMS_FILE = "SHA256SUMS"  # `sha256sum -c SHA256SUMS` checks it too (the coreutils format)
-_verified: dict[tuple, None] = {}  # (dir, SHA256SUMS' mtime and size) already checked in this process
+_verified: dict[tuple, None] = {}  # directories (their files' mtimes and sizes) already checked in this process
 
 
 def sha256_file(path: Path) -> str:
@@ -284,13 +284,9 @@ def write_sums(directory: Path, names: list[str]) -> None:
 
 def verify_sums(directory: Path) -> None:
     """Check DIR's files against DIR/SHA256SUMS where it exists; a UserError naming the first damaged file.
-    Checked once per process (load_model and the backends both resolve the same directory)."""
+    Checked once per process while unchanged (load_model and the backends both resolve the same directory)."""
     sums = Path(directory) / SUMS_FILE
     if not sums.is_file():
-        return
-    st = sums.stat()
-    key = (str(Path(directory).resolve()), st.st_mtime_ns, st.st_size)
-    if key in _verified:
         return
     hashes = {}
     for line in sums.read_bytes().decode("utf-8", "replace").splitlines():
@@ -299,6 +295,11 @@ def verify_sums(directory: Path) -> None:
         if len(digest) != 64 or not name or rel.is_absolute() or ".." in rel.parts:
             raise UserError(f"{sums} has a malformed line ({line[:80]!r}); restore it, or pass --no-verify to skip the check")
         hashes[name] = digest.lower()
+    # unchanged since checked (same files, same mtimes and sizes): not read again
+    stats = [(p, p.stat()) for p in [sums, *(Path(directory) / n for n in hashes)] if p.is_file()]
+    key = (str(Path(directory).resolve()), *((str(p), st.st_mtime_ns, st.st_size) for p, st in stats))
+    if key in _verified:
+        return
     bad = hash_mismatches(Path(directory), hashes)
     if bad:
         raise UserError(f"{directory}: {bad[0]} recorded in {SUMS_FILE}: the checkpoint is damaged; "
