@@ -14,9 +14,22 @@ wired to the vLLM backend, so the report never imports a backend.
 from __future__ import annotations
 
 import importlib
+import signal
 import sys
+import threading
 
-import typer
+
+def _interrupted_while_starting(signum, frame) -> None:
+    """Ctrl-C while the command modules load (seconds on a busy machine): one line, exit 130, no traceback
+    (SystemExit leaves an import quietly; nothing has been done yet)."""
+    sys.stderr.write("interrupted: melt-eval was starting; nothing was done\n")
+    sys.exit(130)
+
+
+_in_main_thread = threading.current_thread() is threading.main_thread()  # only there can a handler be set
+_previous = signal.signal(signal.SIGINT, _interrupted_while_starting) if _in_main_thread else None
+
+import typer  # noqa: E402  (after the handler: Ctrl-C during these imports is one line too)
 
 from melt_eval.errors import UserError
 
@@ -56,6 +69,8 @@ def _root() -> None:
 
 for _name in COMMAND_MODULES:
     importlib.import_module(_name).register(app, **WIRING.get(_name, {}))
+if _in_main_thread:
+    signal.signal(signal.SIGINT, _previous if _previous is not None else signal.default_int_handler)
 
 
 def main() -> None:

@@ -322,3 +322,60 @@ def clear_directory(directory: Path) -> None:
             shutil.rmtree(child)
         else:
             child.unlink()
+
+
+# --- content hashes: a checkpoint checked by what it holds, not only by its sizes ---------------------------
+
+SUMS_FILE = "SHA256SUMS"  # `sha256sum -c SHA256SUMS` checks it too (the coreutils format)
+_verified: dict[tuple, None] = {}  # directories (their files' mtimes and sizes) already checked in this process
+
+
+def sha256_file(path: Path) -> str:
+    """The file's SHA-256 as hex, read in blocks (a weights file may be larger than memory)."""
+    import hashlib
+
+    with Path(path).open("rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def hash_mismatches(root: Path, hashes: dict[str, str]) -> list[str]:
+    """The files under `root` (relative names) that are missing or whose SHA-256 differs from `hashes`."""
+    bad = []
+    for rel, digest in hashes.items():
+        path = root / rel
+        if not path.is_file():
+            bad.append(f"{rel} is missing")
+        elif sha256_file(path) != digest:
+            bad.append(f"{rel} does not match its SHA-256")
+    return bad
+
+
+def write_sums(directory: Path, names: list[str]) -> None:
+    """DIR/SHA256SUMS for these files of DIR (atomically)."""
+    lines = [f"{sha256_file(directory / name)}  {name}\n" for name in sorted(names)]
+    write_text_atomic(directory / SUMS_FILE, "".join(lines))
+
+
+def verify_sums(directory: Path) -> None:
+    """Check DIR's files against DIR/SHA256SUMS where it exists; a UserError naming the first damaged file.
+    Checked once per process while unchanged (load_model and the backends both resolve the same directory)."""
+    sums = Path(directory) / SUMS_FILE
+    if not sums.is_file():
+        return
+    hashes = {}
+    for line in sums.read_bytes().decode("utf-8", "replace").splitlines():
+        digest, _, name = line.partition("  ")
+        rel = Path(name)
+        if len(digest) != 64 or not name or rel.is_absolute() or ".." in rel.parts:
+            raise UserError(f"{sums} has a malformed line ({line[:80]!r}); restore it, or pass --no-verify to skip the check")
+        hashes[name] = digest.lower()
+    # unchanged since checked (same files, same mtimes and sizes): not read again
+    stats = [(p, p.stat()) for p in [sums, *(Path(directory) / n for n in hashes)] if p.is_file()]
+    key = (str(Path(directory).resolve()), *((str(p), st.st_mtime_ns, st.st_size) for p, st in stats))
+    if key in _verified:
+        return
+    bad = hash_mismatches(Path(directory), hashes)
+    if bad:
+        raise UserError(f"{directory}: {bad[0]} recorded in {SUMS_FILE}: the checkpoint is damaged; "
+                        "copy it again, or pass --no-verify to load it anyway")
+    _verified[key] = None

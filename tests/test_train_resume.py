@@ -72,6 +72,9 @@ def test_resume_takes_the_newest_complete_checkpoint_and_names_what_it_skipped(t
     cut.write_bytes(cut.read_bytes()[: size // 2])
     # step 3: garbage of the right size (only loading it tells)
     (ckpts / "step-000003" / "state" / "model.safetensors").write_bytes(os.urandom(size))
+    # ... in a checkpoint written before checkpoints recorded hashes (test_train_hardening: with them)
+    state3 = ckpts / "step-000003" / "trainer_state.json"
+    state3.write_text(json.dumps({k: v for k, v in json.loads(state3.read_text()).items() if k != "sha256"}))
     # step 5: half written by a save that was not atomic, and a temporary one from an interrupted atomic save
     (ckpts / "step-000005" / "state").mkdir(parents=True)
     (ckpts / "step-000005" / "state" / "optimizer.bin").write_bytes(b"\x00" * 1000)
@@ -82,10 +85,12 @@ def test_resume_takes_the_newest_complete_checkpoint_and_names_what_it_skipped(t
     capsys.readouterr()
 
     train(out, resume=True)
-    printed = capsys.readouterr().out
+    captured = capsys.readouterr()
+    printed = captured.out
     assert ("note: skipping incomplete checkpoints step-000005 (no trainer_state.json); step-000004 "
             f"(state/model.safetensors has {size // 2:,} of {size:,} bytes)") in printed
-    assert "skipping checkpoint that did not load: step-000003 (" in printed
+    assert "warning: skipping checkpoint step-000003 (" in captured.err
+    assert "; resuming from step-000002" in captured.err
     assert f"resuming {out} at step 2 from step-000002" in printed
     assert f"note: dropped 1 cut line of {log}" in printed
     assert_same_as_straight(out, straight)

@@ -115,6 +115,10 @@ def register(app: typer.Typer) -> None:
         allow_beyond_max_positions: bool = typer.Option(
             False, "--allow-beyond-max-positions", rich_help_panel=GENERATION,
             help="Let prompt + max new tokens exceed the model's max_position_embeddings (extrapolation; default: refused)."),
+        verify: bool = typer.Option(
+            True, "--verify/--no-verify",
+            help="Check a checkpoint directory's files against its SHA256SUMS before loading (default: on; "
+                 "--no-verify skips reading every byte once, for very large models)."),
         max_problems: Optional[int] = typer.Option(
             None, "--max-problems", "--limit", "--max-samples", rich_help_panel=EVALUATION,
             help="First N problems of each task (default: all). --limit and --max-samples are the same option."),
@@ -167,6 +171,7 @@ def register(app: typer.Typer) -> None:
         settings = BackendSettings(
             kind=backend, max_cache_bytes=max_cache_bytes, api_key=api_key,
             allow_beyond_max_positions=allow_beyond_max_positions, base_url=base_url, max_concurrency=max_concurrency,
+            verify=verify,
             engine=dict(dtype=dtype, max_model_len=max_model_len, gpu_memory_utilization=gpu_memory_utilization,
                         kv_cache_bytes=kv_cache_bytes, tensor_parallel_size=tensor_parallel_size),
         )

@@ -43,6 +43,7 @@ class BackendSettings:
     base_url: str | list[str] | None = None
     max_concurrency: int = 64
     api_key: str | None = field(default=None, repr=False)
+    verify: bool = True  # check a checkpoint directory against its SHA256SUMS (`run --no-verify` skips it)
 
     def __post_init__(self) -> None:
         if self.kind not in BACKENDS:
@@ -315,7 +316,7 @@ def make_backend(model: str, options: InferenceOptions, settings: BackendSetting
     kind = settings.kind
     generator_cls = _vllm_generator() if kind == "vllm" else None  # fail before any download or load
     check_backend_settings(options, settings)
-    model_dir = resolve_model_dir(model)
+    model_dir = resolve_model_dir(model, verify=settings.verify)
     looped = checkpoint_model_type(model_dir) in ("ouro", "melt")
     if options.loops is not None and not looped:
         raise UserError("--loops applies to looped models (Ouro, MELT) only")
@@ -332,7 +333,7 @@ def make_backend(model: str, options: InferenceOptions, settings: BackendSetting
     if kind == "native":
         device = "cuda" if torch.cuda.is_available() else "cpu"
         dtype = torch.bfloat16 if device == "cuda" else torch.float32
-        loaded, tokenizer = load_model(str(model_dir), dtype=dtype, device=device)
+        loaded, tokenizer = load_model(str(model_dir), dtype=dtype, device=device, verify=False)  # verified above
         config = loaded.config
     else:
         from transformers import AutoConfig

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from melt_eval.errors import UserError
-from melt_eval.files import check_regular_file
+from melt_eval.files import check_regular_file, verify_sums
 from melt_eval.jsonio import read_json
 from melt_eval.modeling.looplm import LoopLMForCausalLM
 from melt_eval.modeling.melt import MeltForCausalLM
@@ -454,11 +454,14 @@ def check_model(name_or_path: str, revision: str | None = None) -> ModelRef:
     return ref
 
 
-def resolve_model_dir(name_or_path: str, revision: str | None = None) -> Path:
+def resolve_model_dir(name_or_path: str, revision: str | None = None, verify: bool = True) -> Path:
     """Return a local checkpoint directory for a registry name, a path, or a Hub id ORG/NAME[@REVISION]
-    (fetched through huggingface_hub's cache; `revision` is a branch, tag or commit)."""
+    (fetched through huggingface_hub's cache; `revision` is a branch, tag or commit). verify: check a
+    local directory's files against its SHA256SUMS where it has one (melt_eval.files.verify_sums)."""
     ref = parse_model_ref(name_or_path, revision)
     if ref.path is not None:
+        if verify:
+            verify_sums(ref.path)
         return ref.path
     spec = ref.spec
     if spec is not None and spec.tiny:
@@ -474,10 +477,12 @@ def resolve_model_dir(name_or_path: str, revision: str | None = None) -> Path:
     return fetch_hub_model(ref)
 
 
-def load_model(name_or_path: str | Path, dtype=torch.float32, device="cpu", revision: str | None = None):
+def load_model(name_or_path: str | Path, dtype=torch.float32, device="cpu", revision: str | None = None,
+               verify: bool = True):
     """(model, tokenizer) for a registry name or a checkpoint directory; the checkpoint is checked first
-    (config.json, every weights file, config and weights agreeing), so a broken one is a UserError."""
-    model_dir = resolve_model_dir(str(name_or_path), revision)
+    (its SHA256SUMS unless verify is False, config.json, every weights file, config and weights agreeing),
+    so a broken one is a UserError."""
+    model_dir = resolve_model_dir(str(name_or_path), revision, verify)
     check_files(model_dir)
     if checkpoint_model_type(model_dir) in LOOPED_TYPES:
         model = load_looped(model_dir, dtype=dtype, device=device)

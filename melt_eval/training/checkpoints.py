@@ -1,9 +1,10 @@
 """Resumable checkpoints that an interruption at any instant cannot corrupt.
 
 A checkpoint is written to checkpoints/.tmp-step-N, fsynced, then renamed to step-N, with
-trainer_state.json (last) listing every state file and its size. A step-N is only trusted if every
-listed file is there at its size, and only used once it loads: a crash, a full disk or a kill in the
-middle of a save must cost at most the steps since the previous checkpoint, never the run.
+trainer_state.json (last) listing every state file, its size and its SHA-256. A step-N is only trusted if
+every listed file is there at its size, and only used once its files match their hashes (bytes flipped on
+disk keep the sizes) and it loads: a crash, a full disk, a kill in the middle of a save or a damaged
+file must cost at most the steps since the previous checkpoint, never the run.
 """
 
 from __future__ import annotations
@@ -11,10 +12,11 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sys
 from pathlib import Path
 
 from melt_eval.errors import UserError
-from melt_eval.files import fsync_dir, fsync_tree, remove_tree, write_json_atomic
+from melt_eval.files import fsync_dir, fsync_tree, hash_mismatches, remove_tree, sha256_file, write_json_atomic
 
 
 def checkpoint_dirs(output: Path) -> list[Path]:
@@ -71,8 +73,10 @@ def write_checkpoint(accelerator, output: Path, trainer_state: dict, keep: int, 
         accelerator.save_state(str(tmp / "state"))
         accelerator.wait_for_everyone()
         if main:
-            files = {p.relative_to(tmp).as_posix(): p.stat().st_size for p in sorted((tmp / "state").rglob("*")) if p.is_file()}
-            write_json_atomic(tmp / "trainer_state.json", {**trainer_state, "files": files})
+            paths = [p for p in sorted((tmp / "state").rglob("*")) if p.is_file()]
+            files = {p.relative_to(tmp).as_posix(): p.stat().st_size for p in paths}
+            sha256 = {p.relative_to(tmp).as_posix(): sha256_file(p) for p in paths}
+            write_json_atomic(tmp / "trainer_state.json", {**trainer_state, "files": files, "sha256": sha256})
             fsync_tree(tmp)
             if final.exists():  # an incomplete one skipped by --resume, now redone
                 remove_tree(final)
@@ -127,14 +131,20 @@ def load_checkpoint(accelerator, stream, output: Path, candidates: list[Path]) -
     failed = []
     for ckpt in candidates:
         state = read_trainer_state(ckpt)
+        hashes = state.get("sha256")  # checkpoints written before hashes have none: loading is the test
+        damaged = hash_mismatches(ckpt, hashes) if isinstance(hashes, dict) else []
+        if damaged:
+            failed.append(f"{ckpt.name} ({'; '.join(damaged[:3])}: damaged)")
+            continue
         try:
             accelerator.load_state(str(ckpt / "state"))
         except Exception as exc:  # corrupt bytes its size did not betray (torch, safetensors, pickle errors)
             failed.append(f"{ckpt.name} ({type(exc).__name__}: {str(exc).splitlines()[0][:120] if str(exc) else ''})")
             continue
         stream.load_state_dict(state["data"])
-        if failed:
-            accelerator.print(f"skipping checkpoint{'s' if len(failed) > 1 else ''} that did not load: {'; '.join(failed)}")
+        if failed and accelerator.is_main_process:  # a warning: stderr, one line
+            print(f"warning: skipping checkpoint{'s' if len(failed) > 1 else ''} {'; '.join(failed)}; "
+                  f"resuming from {ckpt.name}", file=sys.stderr, flush=True)
         accelerator.print(f"resuming {output} at step {state['step']} from {ckpt.name}")
         return state["step"], state["tokens_seen"], ckpt
     if failed:  # the model may hold part of a failed load: do not train on from it

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import signal
+import threading
 from pathlib import Path
 from typing import Optional
 
@@ -31,25 +34,56 @@ def register(app: typer.Typer) -> None:
         hub_model_id: Optional[str] = typer.Option(None, "--hub-model-id", help="Hub repo for --push-to-hub, NAME or USER/NAME (default: the --output directory's name)."),
     ) -> None:
         """Train MELT from a LoopLM (or a LoopLM from scratch) with a YAML recipe; Accelerate-launchable."""
-        from melt_eval.errors import UserError
-        from melt_eval.training.config import load_recipe, parse_set
-        from melt_eval.training.runner import run_recipe
+        # Ctrl-C at any moment (imports, model building, data, a step, a save) is one line and exit 130:
+        # every moment leaves a directory the next run continues (checkpoints are atomic)
+        with one_line_interrupt(output):
+            from melt_eval.errors import UserError
+            from melt_eval.training.config import load_recipe, parse_set
+            from melt_eval.training.runner import run_recipe
 
-        if recipe is None:
-            recipe = f"paper-phase{phase or 1}"
-        for parent in (output, *output.parents):  # the run directory, or a folder on its way, is a file
-            if parent.exists():
-                if not parent.is_dir():
-                    raise UserError(f"--output {output}: {parent} is a file, not a directory; pass a directory")
-                break
-        overrides = parse_set(set_)
-        switches = {"gate": gate, "chunk_size": chunk_size, "interpolation_steps": interpolation_steps, "kd": kd,
-                    "align_beta": align_beta, "phase": phase, "teacher": teacher, "max_steps": max_steps,
-                    "from_model": from_model, "log_with": ",".join(log_with) or None}
-        overrides.update({k: v for k, v in switches.items() if v is not None})
-        if phase == 2 and interpolation_steps is None:
-            overrides["interpolation_steps"] = 0  # phase 2 runs at alpha = 1
-        resolved = load_recipe(recipe, config_file=config, overrides=overrides)
-        out = run_recipe(resolved, output=output, resume=resume, progress=progress, push_to_hub=push_to_hub,
-                         hub_model_id=hub_model_id)
-        typer.echo(f"trained model written to {out}")
+            if recipe is None:
+                recipe = f"paper-phase{phase or 1}"
+            for parent in (output, *output.parents):  # the run directory, or a folder on its way, is a file
+                if parent.exists():
+                    if not parent.is_dir():
+                        raise UserError(f"--output {output}: {parent} is a file, not a directory; pass a directory")
+                    break
+            overrides = parse_set(set_)
+            switches = {"gate": gate, "chunk_size": chunk_size, "interpolation_steps": interpolation_steps, "kd": kd,
+                        "align_beta": align_beta, "phase": phase, "teacher": teacher, "max_steps": max_steps,
+                        "from_model": from_model, "log_with": ",".join(log_with) or None}
+            overrides.update({k: v for k, v in switches.items() if v is not None})
+            if phase == 2 and interpolation_steps is None:
+                overrides["interpolation_steps"] = 0  # phase 2 runs at alpha = 1
+            resolved = load_recipe(recipe, config_file=config, overrides=overrides)
+            out = run_recipe(resolved, output=output, resume=resume, progress=progress, push_to_hub=push_to_hub,
+                             hub_model_id=hub_model_id)
+            typer.echo(f"trained model written to {out}")
+
+
+@contextlib.contextmanager
+def one_line_interrupt(output: Path):
+    """KeyboardInterrupt -> one line saying what to run next, exit 130 (the shell's code for SIGINT)."""
+    try:
+        yield
+    except KeyboardInterrupt:
+        main_thread = threading.current_thread() is threading.main_thread()  # signal.signal's condition
+        previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if main_thread else None  # a second Ctrl-C
+        try:
+            typer.secho(f"interrupted: {interrupted_note(output)}", fg=typer.colors.YELLOW, err=True)
+        finally:
+            if main_thread:
+                signal.signal(signal.SIGINT, previous)
+        raise typer.Exit(130) from None
+
+
+def interrupted_note(output: Path) -> str:
+    """What a Ctrl-C left in `output` and the command that continues from it."""
+    from melt_eval.training.checkpoints import resume_candidates
+    from melt_eval.training.runs import NOT_STARTED, run_state
+
+    if run_state(output) == NOT_STARTED:
+        return "nothing was written yet; run the same command again (without --resume)"
+    complete, _ = resume_candidates(output)
+    where = f"from {complete[0].name}" if complete else "from step 0 (no checkpoint was complete yet)"
+    return f"rerun the same command with --resume to continue {where}"

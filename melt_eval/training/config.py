@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -159,6 +160,8 @@ class Recipe:
             bad("kv_heads converts a LoopLM to a grouped-query MELT: it applies to target melt only")
         if not self.data:
             bad("data must list at least one source (see the recipes in melt_eval/recipes/)")
+        check_data_sources(self.data, bad)
+        check_sizes(self, bad)
         if self.target == "looplm" and (self.kd or self.align_beta or self.interpolation_steps):
             bad("target looplm trains a plain LoopLM: set kd: false, align_beta: 0, interpolation_steps: 0")
         if self.phase == 2 and self.interpolation_steps:
@@ -182,6 +185,77 @@ class Recipe:
     def needs_loop_states(self) -> bool:
         """Whether the objective reads every loop's hidden state (all-loop KD, alignment, per-loop CE)."""
         return self.kd or self.align_beta > 0 or bool(self.loop_ce_weights)
+
+
+# The keys each kind of data source takes (melt_eval.training.data builds them) and the type of each value.
+DATA_KEYS = {
+    "hub": {"source", "weight", "path", "name", "split"},
+    "local": {"source", "weight", "path"},
+    "synthetic": {"source", "weight", "n", "num_steps", "max_value", "target", "split", "seed", "form"},
+}
+_DATA_TYPES = {"path": str, "name": str, "split": str, "target": str, "form": str, "n": int, "max_value": int, "seed": int}
+# A synthetic problem held in memory is a few hundred bytes of Python strings; 1 KiB bounds it
+SYNTHETIC_ITEM_BYTES = 1024
+# What one sequence slot costs the host before the model sees it: input ids, attention and loss masks as
+# int64 (3 x 8 bytes) in the step's list of examples and its collated micro-batches (x 2)
+SLOT_BYTES = 48
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def check_data_sources(data, bad) -> None:
+    """Each `data` entry by type and finiteness, before anything is built (a wrong type is one line, not a
+    traceback from deep in the data stream)."""
+    if not isinstance(data, list):
+        bad(f"data must be a list of sources, got {data!r}")
+    for spec in data:
+        if not isinstance(spec, dict) or spec.get("source") not in DATA_KEYS:
+            bad(f"data source {spec!r}: needs `source` set to one of {', '.join(DATA_KEYS)}")
+        kind = spec["source"]
+        unknown = sorted(set(spec) - DATA_KEYS[kind])
+        if unknown:
+            bad(f"data source {kind}: unknown key(s) {', '.join(map(str, unknown))}; valid: {', '.join(sorted(DATA_KEYS[kind]))}")
+        w = spec.get("weight", 1.0)
+        if not (isinstance(w, (int, float)) and not isinstance(w, bool) and math.isfinite(w) and w >= 0):
+            bad(f"data source {kind}: weight must be a finite number >= 0, got {w!r}")
+        for key, want in _DATA_TYPES.items():
+            if key in spec and not (_is_int(spec[key]) if want is int else isinstance(spec[key], want)):
+                bad(f"data source {kind}: {key} must be {'a whole number' if want is int else 'a string'}, got {spec[key]!r}")
+        steps = spec.get("num_steps", 2)
+        if not (_is_int(steps) or (isinstance(steps, list) and len(steps) == 2 and all(map(_is_int, steps)))):
+            bad(f"data source {kind}: num_steps must be a whole number or [lo, hi], got {steps!r}")
+        if kind == "synthetic" and spec.get("n", 1) < 1:
+            bad(f"data source synthetic: n must be >= 1, got {spec['n']}")
+    if sum(float(s.get("weight", 1.0)) for s in data) <= 0:
+        bad("data source weights must have a positive sum")
+
+
+def memory_bytes() -> int:
+    """The host's physical memory: every example of a step is built there, whatever the device."""
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def check_sizes(recipe: "Recipe", bad, memory: int | None = None) -> None:
+    """Refuse size-like values whose data alone would not fit in memory, before anything is allocated
+    (a step draws micro_batch_size x accumulation examples at once; too many is a hang, not an error)."""
+    memory = memory or memory_bytes()
+    from melt_eval.units import format_bytes
+
+    step_slots = recipe.seq_len * recipe.micro_batch_size * recipe.grad_accum_steps()
+    needs = {"micro_batch_size": recipe.seq_len * recipe.micro_batch_size * SLOT_BYTES,
+             "batch_tokens": step_slots * SLOT_BYTES,
+             # a buffered Hub example is raw text: about 4 bytes per token
+             "shuffle_buffer": recipe.shuffle_buffer * recipe.seq_len * 4}
+    synthetic = [s.get("n", 10_000) for s in recipe.data if s.get("source") == "synthetic"]
+    if synthetic:
+        needs["data n"] = sum(synthetic) * SYNTHETIC_ITEM_BYTES
+    for name, need in needs.items():
+        if need > memory:
+            lower = f"lower {name}" + (" or seq_len" if name != "data n" else " of the synthetic source")
+            bad(f"{name} needs at least {format_bytes(need)} for its data alone, more than this machine's "
+                f"{format_bytes(memory)} of memory; {lower}")
 
 
 def _check_keys(raw: dict, origin: str) -> None:

@@ -30,6 +30,7 @@ import torch
 
 from melt_eval.errors import UserError
 from melt_eval import synthetic
+from melt_eval.training.config import DATA_KEYS
 
 SOURCE_KINDS = ("hub", "local", "synthetic")
 _ROLE = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
@@ -187,6 +188,8 @@ class StreamSource(Source):
         files = sorted(glob.glob(str(Path(spec["path"]).expanduser())))
         if not files:
             raise UserError(f"local data {spec['path']!r} matches no files")
+        for f in files:
+            check_local_file(Path(f))
         suffixes = {Path(f).suffix for f in files}
         fmt = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}.get(suffixes.pop()) if len(suffixes) == 1 else None
         if fmt is None:
@@ -204,14 +207,37 @@ class StreamSource(Source):
         return iter(ds)
 
 
+def check_local_file(path: Path) -> None:
+    """A local training file must be a regular file (a FIFO or a device would block or never end) and,
+    for JSON, UTF-8 text: one line now rather than a traceback from the data loader mid-run."""
+    import stat
+
+    try:
+        mode = path.stat().st_mode
+    except OSError as exc:
+        raise UserError(f"local data {path}: cannot read it ({exc.strerror or type(exc).__name__})") from None
+    if not stat.S_ISREG(mode):
+        kind = "a directory" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode) else "not a regular file"
+        raise UserError(f"local data {path} is {kind}; pass .jsonl, .json or .parquet files")
+    if path.suffix not in (".jsonl", ".json"):
+        return
+    import codecs
+
+    decoder, offset = codecs.getincrementaldecoder("utf-8")(), 0
+    try:
+        with path.open("rb") as f:
+            while chunk := f.read(1 << 20):  # streamed: a training file may be larger than memory
+                decoder.decode(chunk)
+                offset += len(chunk)
+            decoder.decode(b"", final=True)
+    except UnicodeDecodeError as exc:
+        raise UserError(f"local data {path} is not UTF-8 text (near byte {offset + exc.start}); save it as UTF-8") from None
+
+
 def build_source(spec: dict, seed: int, shuffle_buffer: int) -> Source:
     if not isinstance(spec, dict) or spec.get("source") not in SOURCE_KINDS:
         raise UserError(f"data source {spec!r}: needs `source` set to one of {', '.join(SOURCE_KINDS)}")
-    known = {
-        "hub": {"source", "weight", "path", "name", "split"},
-        "local": {"source", "weight", "path"},
-        "synthetic": {"source", "weight", "n", "num_steps", "max_value", "target", "split", "seed", "form"},
-    }[spec["source"]]
+    known = DATA_KEYS[spec["source"]]
     unknown = sorted(set(spec) - known)
     if unknown:
         raise UserError(f"data source {spec['source']}: unknown key(s) {', '.join(unknown)}; valid: {', '.join(sorted(known))}")

@@ -13,12 +13,14 @@ from pathlib import Path
 import yaml
 
 from melt_eval.errors import UserError
-from melt_eval.files import TRAINING_META, write_json_atomic, write_text_atomic
+from melt_eval.files import SUMS_FILE, TRAINING_META, write_json_atomic, write_sums, write_text_atomic
 from melt_eval.provenance import git_state, package_versions
 from melt_eval.training.checkpoints import checkpoint_dirs, remove_leftovers, resume_candidates
 from melt_eval.training.config import EXECUTION_FIELDS, Recipe, parse_yaml
 
 META_FILE = TRAINING_META  # melt_eval_training.json
+# the run's own records beside the model, rewritten after the export (the model card too): not hashed
+NOT_HASHED = {META_FILE, "recipe.yaml", "README.md", SUMS_FILE, ".melt-eval.lock"}
 # keys that may differ when resuming (they do not change what the run computes)
 RESUME_MUTABLE = {"save_every", "keep_checkpoints", "log_every", "tensorboard", "log_with"} | EXECUTION_FIELDS
 
@@ -119,5 +121,7 @@ def export(accelerator, model, tokenizer, output: Path, meta: dict) -> None:
         with quiet_transformers():
             unwrapped.save_pretrained(output, state_dict=state_dict, safe_serialization=True)
         tokenizer.save_pretrained(output)
+        # what `run` loads, hashed: it checks them before loading (melt_eval.files.verify_sums)
+        write_sums(output, [p.name for p in output.iterdir() if p.is_file() and p.name not in NOT_HASHED])
         write_json_atomic(output / META_FILE, meta)
     accelerator.wait_for_everyone()

@@ -1,0 +1,214 @@
+"""Issue 41, training side: hostile recipe values and data files are one line (exit 2) before anything is
+allocated; Ctrl-C at any moment of `train` is exit 130 with one line and leaves a run the next command
+continues; damaged checkpoints are caught by their SHA-256 (resume falls back, `run` refuses)."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from melt_eval.files import SUMS_FILE
+from melt_eval.training import run_recipe
+
+from helpers import main_exit_code as _main
+from helpers import one_line_error as _one_line_error
+
+REPO = Path(__file__).resolve().parents[1]
+TRAIN = ["train", "--recipe", "tiny-phase1", "--from", "tiny-random-ouro", "--no-progress"]
+FAST = {"seq_len": 64, "micro_batch_size": 4, "batch_tokens": 512, "warmup_steps": 1, "interpolation_steps": 3,
+        "chunk_size": 16, "save_every": 1, "keep_checkpoints": 3, "max_steps": 4,
+        "data": [{"source": "synthetic", "n": 100, "num_steps": 1}], "tensorboard": False}
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+# --- recipe values: by type, finiteness and what memory can hold ---------------------------------------
+
+def synthetic(**extra) -> str:
+    return "data=" + json.dumps([{"source": "synthetic", "n": 100, "num_steps": 1, **extra}])
+
+
+HOSTILE_SETS = [  # --set value -> what the one line names
+    ("micro_batch_size=100000000", "micro_batch_size needs at least"),
+    ("seq_len=1000000000000", "micro_batch_size needs at least"),
+    ("batch_tokens=100000000000000", "batch_tokens needs at least"),
+    ("shuffle_buffer=1000000000000", "shuffle_buffer needs at least"),
+    (synthetic(n=10**12), "data n needs at least"),
+    (synthetic(n=[1, 2]), "n must be a whole number"),
+    (synthetic(num_steps={"a": 1}), "num_steps must be a whole number or [lo, hi]"),
+    (synthetic(num_steps=[1, "x"]), "num_steps must be a whole number or [lo, hi]"),
+    (synthetic(weight="abc"), "weight must be a finite number >= 0, got 'abc'"),
+    ("data=[{source: synthetic, weight: .nan}]", "weight must be a finite number >= 0, got nan"),
+    ("data=[{source: synthetic, weight: .inf}]", "weight must be a finite number >= 0, got inf"),
+    (synthetic(weight=True), "weight must be a finite number"),
+    (synthetic(weight=-1), "weight must be a finite number >= 0"),
+    (synthetic(weight=0), "weights must have a positive sum"),
+    (synthetic(n=0), "n must be >= 1"),
+    (synthetic(form=3), "form must be a string"),
+    ("data=[5]", "needs `source` set to one of"),
+    ("data=[{source: local, path: [a]}]", "path must be a string"),
+    ("data=[{source: synthetic, bogus: 1}]", "unknown key(s) bogus"),
+]
+
+
+@pytest.mark.parametrize("value, message", HOSTILE_SETS, ids=[v for v, _ in HOSTILE_SETS])
+def test_hostile_recipe_values_are_one_line_before_anything_is_built(tmp_path, capsys, value, message):
+    out = tmp_path / "train"
+    start = time.monotonic()
+    code = _main([*TRAIN, "--output", out, "--set", value])
+    _one_line_error(capsys, code, message)
+    assert not out.exists()
+    assert time.monotonic() - start < 60  # refused, not drawn: the hang of issue 41 took minutes
+
+
+def test_micro_batch_bound_names_the_option_and_the_memory(tmp_path, capsys):
+    code = _main([*TRAIN, "--output", tmp_path / "t", "--set", "micro_batch_size=100000000"])
+    err = _one_line_error(capsys, code, "micro_batch_size", "of memory", "lower micro_batch_size")
+    assert "GiB" in err or "TiB" in err
+
+
+# --- local training files: regular UTF-8 files only -----------------------------------------------------
+
+def _fifo(path: Path) -> None:
+    os.mkfifo(path)
+
+
+def _latin1(path: Path) -> None:
+    path.write_bytes(b'{"messages": [{"role": "user", "content": "caf\xe9"}]}\n')
+
+
+def _directory(path: Path) -> None:
+    path.mkdir()
+
+
+def _device(path: Path) -> None:
+    path.symlink_to("/dev/zero")
+
+
+BAD_FILES = {"fifo": (_fifo, "is a FIFO"), "non-utf8": (_latin1, "not UTF-8"),
+             "directory": (_directory, "is a directory"), "device": (_device, "not a regular file")}
+
+
+@pytest.mark.parametrize("case", BAD_FILES)
+def test_local_data_must_be_a_regular_utf8_file(tmp_path, capsys, case):
+    make, message = BAD_FILES[case]
+    make(tmp_path / "train.jsonl")
+    out = tmp_path / "run"
+    data = json.dumps([{"source": "local", "path": str(tmp_path / "train.jsonl")}])
+    code = _main([*TRAIN, "--output", out, "--set", f"data={data}", "--set", "max_steps=1",
+                  "--set", "seq_len=64", "--set", "batch_tokens=128", "--set", "tensorboard=false"])
+    _one_line_error(capsys, code, "train.jsonl", message)
+
+
+# --- checkpoints checked by content -----------------------------------------------------------------------
+
+def flip_tensor_bytes(path: Path) -> None:
+    """Flip bytes inside a safetensors file's tensor data (after its header), keeping its size."""
+    data = bytearray(path.read_bytes())
+    start = 8 + int.from_bytes(data[:8], "little")
+    for i in range(start + 16, min(start + 64, len(data))):
+        data[i] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def test_a_damaged_newest_checkpoint_is_skipped_by_its_hash_and_the_run_matches(tmp_path, capfd):
+    straight = run_recipe("tiny-phase1", "tiny-random-ouro", tmp_path / "straight", overrides=FAST, progress=False)
+    out = tmp_path / "run"
+    run_recipe("tiny-phase1", "tiny-random-ouro", out, overrides=FAST, progress=False, stop_after=3)
+    newest = out / "checkpoints" / "step-000003"
+    state = json.loads((newest / "trainer_state.json").read_text())
+    assert set(state["sha256"]) == set(state["files"])
+    weights = newest / "state" / "model.safetensors"
+    size = weights.stat().st_size
+    flip_tensor_bytes(weights)
+    assert weights.stat().st_size == size
+    capfd.readouterr()
+    run_recipe("tiny-phase1", "tiny-random-ouro", out, overrides=FAST, progress=False, resume=True)
+    captured = capfd.readouterr()
+    warning = [line for line in captured.err.splitlines() if "step-000003" in line]
+    assert len(warning) == 1 and "state/model.safetensors does not match its SHA-256" in warning[0], captured.err
+    assert "resuming from step-000002" in warning[0]
+    assert "at step 2 from step-000002" in captured.out
+    got, want = load_file(out / "model.safetensors"), load_file(straight / "model.safetensors")
+    assert all(torch.equal(got[k], want[k]) for k in want)  # redone from step 2: the uninterrupted weights
+
+
+def test_run_refuses_a_damaged_checkpoint_in_one_line_and_no_verify_skips_the_check(tmp_path, capsys):
+    model = run_recipe("tiny-phase1", "tiny-random-ouro", tmp_path / "model", overrides={**FAST, "max_steps": 1},
+                       progress=False)
+    sums = (model / SUMS_FILE).read_text()
+    assert "  model.safetensors\n" in sums and "  config.json\n" in sums
+    run = ["run", "synthetic", "--model", str(model), "--max-problems", "1", "--max-new-tokens", "2", "--no-progress"]
+    assert _main([*run, "--output", tmp_path / "ok"]) == 0
+    capsys.readouterr()
+    flip_tensor_bytes(model / "model.safetensors")
+    code = _main([*run, "--output", tmp_path / "bad"])
+    _one_line_error(capsys, code, "model.safetensors does not match its SHA-256", "damaged", "--no-verify")
+    assert _main([*run, "--output", tmp_path / "unchecked", "--no-verify"]) == 0
+
+
+# --- Ctrl-C at any moment ---------------------------------------------------------------------------------
+
+def train_process(out: Path, *extra: str) -> subprocess.Popen:
+    config = out.parent / "fast.yaml"
+    config.write_text(json.dumps({**FAST, "max_steps": 40}))
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen([sys.executable, "-m", "melt_eval.cli", *TRAIN, "--output", str(out), "--config",
+                             str(config), *extra], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def wait_for(condition, proc: subprocess.Popen, timeout: float = 300) -> None:
+    end = time.monotonic() + timeout
+    while not condition() and proc.poll() is None and time.monotonic() < end:
+        time.sleep(0.005)
+
+
+def checkpoints(out: Path) -> list[str]:
+    root = out / "checkpoints"
+    return sorted(p.name for p in root.iterdir()) if root.is_dir() else []
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("moment", ["start-up", "steps", "save"])
+def test_ctrl_c_at_a_random_moment_is_one_line_and_the_next_run_continues(tmp_path, moment):
+    seed = int(time.time() * 1000) % 100_000
+    rng = random.Random(seed)
+    out = tmp_path / "run"
+    proc = train_process(out)
+    if moment == "start-up":  # imports, model building, data: before the first step is logged
+        time.sleep(rng.uniform(0.05, 3.0))
+    elif moment == "steps":
+        wait_for(lambda: len(checkpoints(out)) >= 1, proc)
+        time.sleep(rng.uniform(0, 0.5))
+    else:  # while a checkpoint's temporary directory is being written
+        wait_for(lambda: any(n.startswith(".tmp-") for n in checkpoints(out)), proc)
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=300)
+    lines = err.strip().splitlines()
+    assert proc.returncode == 130, f"seed {seed}: {err}"
+    assert len(lines) == 1 and lines[0].startswith("interrupted: "), f"seed {seed}: {err}"
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err
+    resume = ["--resume"] if "--resume" in lines[0] and "without --resume" not in lines[0] else []
+    again = train_process(out, *resume)
+    _, err = again.communicate(timeout=600)
+    assert again.returncode == 0, f"seed {seed}, after {lines[0]!r}: {err}"
+    assert json.loads((out / "melt_eval_training.json").read_text())["status"] == "finished"
+
+
+def test_resume_with_nothing_to_resume_says_to_start_without_it(tmp_path, capsys):
+    for out in (tmp_path / "missing", tmp_path / "empty"):
+        if out.name == "empty":
+            out.mkdir()
+        code = _main([*TRAIN, "--output", out, "--resume"])
+        _one_line_error(capsys, code, "--resume", "without --resume")
