@@ -1,6 +1,6 @@
 """`--prefill-chunk` defaults to what the checkpoint was trained with (issue 38 item 4): read from the
 training record (melt_eval_training.json) a real tiny training run writes beside its model; an explicit
-flag wins; without a record the default stays 1 (exact MELT); `run` says where the default came from
+flag wins; without a record the default stays 1 (exact MELT), silently; `run` says where a recorded default came from
 and results.json records the value used; `serve` passes the same default to vLLM."""
 
 import json
@@ -77,7 +77,8 @@ def test_explicit_flag_wins_over_the_record(trained, tmp_path, capsys):
 def test_without_a_record_the_default_is_exact_melt(tmp_path, capsys):
     out = tmp_path / "out"
     assert _main(["run", "synthetic", "--model", "tiny-random-melt", "--output", out, *RUN]) == 0
-    assert "--prefill-chunk 1: the default (1, exact MELT): no training record" in capsys.readouterr().err
+    assert "--prefill-chunk" not in capsys.readouterr().err  # no record: today's default, said nowhere
+    assert checkpoint_prefill_chunk(tmp_path)[1].endswith(f"no training record ({TRAINING_META}) in {tmp_path}")
     assert _settings(out, "tiny-random-melt")["prefill_chunk"] == 1
 
 

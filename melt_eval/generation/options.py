@@ -156,6 +156,8 @@ class InferenceOptions:
         if self.prefill_chunk is not None:
             return self, None
         chunk, why = checkpoint_prefill_chunk(model_dir)
+        if not (Path(model_dir) / TRAINING_META).is_file():  # today's default, as for any model: nothing to say
+            return replace(self, prefill_chunk=chunk), None
         return replace(self, prefill_chunk=chunk), f"--prefill-chunk {chunk}: {why} (pass --prefill-chunk to change it)"
 
     @property
