@@ -185,7 +185,7 @@ def test_parse_bytes_refuses_what_is_not_a_size(text):
     "args, message",
     [
         (["--loops", "1000000"], "1000000 loops x 2 layers"),
-        (["--max-new-tokens", "1000000000000"], "max_new_tokens 1000000000000"),
+        (["--max-new-tokens", "1000000000000"], "--max-new-tokens 1000000000000 need at least"),  # host memory, checked first
         (["--max-new-tokens", "5000"], "beyond the model's max_position_embeddings 4096"),
         (["--temperature", "nan"], "--temperature must be a finite number"),
         (["--temperature", "inf"], "--temperature must be a finite number"),

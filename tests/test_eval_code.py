@@ -215,7 +215,7 @@ def test_escape_attempts_are_stopped_by_the_kernel(host, backend):
         assert "ESCAPED" not in out.stdout, (name, out)  # (a traceback on stderr quotes the attempt)
         assert not out.passed, (name, out)
         assert out.layers["seccomp"] and out.layers["pid_namespace"], name
-        assert out.layers["backend"] == backend
+        assert out.layers["backend"] == backend, (name, out)
     with pytest.raises(BlockingIOError):
         host["listener"].accept()  # no program ever connected
     assert_nothing_left(before)
