@@ -43,3 +43,17 @@ def one_line_error(capsys, code: int, *fragments: str) -> str:
     assert len(err.splitlines()) == 1 and err.startswith("error: "), err
     assert all(f in err for f in fragments), err
     return err
+
+
+def refused_load(path, *fragments) -> str:
+    """`load_model(path)` refuses with a one-line UserError holding every fragment; returns the message."""
+    import pytest
+
+    from melt_eval.errors import UserError
+    from melt_eval.modeling import load_model
+
+    with pytest.raises(UserError) as exc:
+        load_model(str(path))
+    message = str(exc.value)
+    assert "\n" not in message and all(f in message for f in fragments), message
+    return message

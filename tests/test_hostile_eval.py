@@ -16,12 +16,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from melt_eval.errors import UserError
 from melt_eval.evaluation import RunPaths, run_tasks
 from melt_eval.generation.options import InferenceOptions, Sampling
-from melt_eval.modeling import load_model
 from melt_eval.modeling.loading import resolve_model_dir
 
+from helpers import refused_load as _refused
 from helpers import main_exit_code as _main
 from helpers import one_line_error as _one_line_error
 
@@ -50,14 +49,6 @@ def _copy(tiny_dirs, tmp_path, name="tiny-random-ouro"):
     target = tmp_path / "ckpt"
     shutil.copytree(tiny_dirs[name], target)
     return target
-
-
-def _refused(path, *fragments):
-    with pytest.raises(UserError) as exc:
-        load_model(str(path))
-    message = str(exc.value)
-    assert "\n" not in message and all(f in message for f in fragments), message
-    return message
 
 
 # --- files that are not regular files --------------------------------------------------------------

@@ -9,10 +9,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from melt_eval.errors import UserError
 from melt_eval.modeling import load_model
 from melt_eval.modeling.loading import resolve_model_dir
 
+from helpers import refused_load as _refused
 from helpers import main_exit_code as _main
 
 
@@ -45,14 +45,6 @@ def _edit_weights(ckpt, edit):
     tensors = {k: v.clone() for k, v in load_file(path).items()}  # the file is rewritten below
     edit(tensors)
     save_file(tensors, path, metadata={"format": "pt"})
-
-
-def _refused(path, *fragments):
-    with pytest.raises(UserError) as exc:
-        load_model(str(path))
-    message = str(exc.value)
-    assert "\n" not in message and all(f in message for f in fragments), message
-    return message
 
 
 # --- weights files ---------------------------------------------------------------------------
