@@ -72,3 +72,11 @@ def training_batch():
         return {"input_ids": ids, "attention_mask": attn, "loss_mask": loss}
 
     return make
+
+
+@pytest.fixture(scope="module")
+def tiny_dirs():
+    """The tiny checkpoints the loading tests copy and damage: Ouro, MELT and a plain Llama."""
+    from melt_eval.modeling.loading import resolve_model_dir
+
+    return {name: resolve_model_dir(name) for name in ("tiny-random-ouro", "tiny-random-melt", "tiny-random-llama")}

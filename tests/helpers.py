@@ -57,3 +57,12 @@ def refused_load(path, *fragments) -> str:
     message = str(exc.value)
     assert "\n" not in message and all(f in message for f in fragments), message
     return message
+
+
+def copy_checkpoint(tiny_dirs, tmp_path, name="tiny-random-ouro"):
+    """A copy of one of the `tiny_dirs` checkpoints under tmp_path/ckpt, for a test to damage."""
+    import shutil
+
+    target = tmp_path / "ckpt"
+    shutil.copytree(tiny_dirs[name], target)
+    return target

@@ -18,8 +18,8 @@ from safetensors.torch import load_file, save_file
 
 from melt_eval.evaluation import RunPaths, run_tasks
 from melt_eval.generation.options import InferenceOptions, Sampling
-from melt_eval.modeling.loading import resolve_model_dir
 
+from helpers import copy_checkpoint as _copy
 from helpers import refused_load as _refused
 from helpers import main_exit_code as _main
 from helpers import one_line_error as _one_line_error
@@ -38,17 +38,6 @@ def no_hang():
     yield
     signal.alarm(0)
     signal.signal(signal.SIGALRM, old)
-
-
-@pytest.fixture(scope="module")
-def tiny_dirs():
-    return {name: resolve_model_dir(name) for name in ("tiny-random-ouro", "tiny-random-melt", "tiny-random-llama")}
-
-
-def _copy(tiny_dirs, tmp_path, name="tiny-random-ouro"):
-    target = tmp_path / "ckpt"
-    shutil.copytree(tiny_dirs[name], target)
-    return target
 
 
 # --- files that are not regular files --------------------------------------------------------------

@@ -3,7 +3,6 @@ naming the file, and a corrupt cached tiny model is rebuilt."""
 
 import json
 import os
-import shutil
 
 import pytest
 import torch
@@ -12,19 +11,9 @@ from safetensors.torch import load_file, save_file
 from melt_eval.modeling import load_model
 from melt_eval.modeling.loading import resolve_model_dir
 
+from helpers import copy_checkpoint as _copy
 from helpers import refused_load as _refused
 from helpers import main_exit_code as _main
-
-
-@pytest.fixture(scope="module")
-def tiny_dirs():
-    return {name: resolve_model_dir(name) for name in ("tiny-random-ouro", "tiny-random-melt", "tiny-random-llama")}
-
-
-def _copy(tiny_dirs, tmp_path, name="tiny-random-ouro"):
-    target = tmp_path / "ckpt"
-    shutil.copytree(tiny_dirs[name], target)
-    return target
 
 
 def _edit_config(ckpt, **changes):
