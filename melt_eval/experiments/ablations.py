@@ -72,6 +72,8 @@ class VariantPlan:
     def gpu_hours(self) -> str:
         if not self.train:
             return "eval only"
+        if "phase" not in self.train[0].recipe:  # e.g. the exit-gate fit: no paper figure
+            return "not in the paper"
         return f"{PAPER_GPU_HOURS['full' if len(self.train) == 2 else 'phase1-only']:,} GPU-h (paper)"
 
 
@@ -90,7 +92,7 @@ def plan(ablation: str, preset: str = "paper", base: "str | TrainRun | None" = N
     if preset not in PRESETS:
         raise UserError(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
     if ablation == "exit":
-        return exit_plan(preset, base)
+        return exit_plan(preset, base, train_overrides)
     base = base or PRESETS[preset]["base"]
     recipes = PRESETS[preset]["recipes"]
     variants = []
@@ -108,15 +110,19 @@ def plan(ablation: str, preset: str = "paper", base: "str | TrainRun | None" = N
     return variants
 
 
-def exit_plan(preset: str = "paper", base: str | None = None) -> list[VariantPlan]:
+def exit_plan(preset: str = "paper", base: str | None = None, train_overrides: dict | None = None) -> list[VariantPlan]:
     """`ablate exit`: every exit rule of `definitions.EXIT` on each model (`base`, else the preset's Ouro and
-    MELT), as is; a model's variants go to ablations/exit/<model>/<variant>/."""
+    MELT), as is, and the fitted-gate rows on the gate the exit-gate recipe fits from that model (one run per
+    model, `train_overrides` applied); a model's variants go to ablations/exit/<model>/<variant>/."""
     plans = []
     for model in [base] if base else EXIT_MODELS[preset]:
         label = Path(str(model).rstrip("/")).name or str(model)
         for name in definitions.RUN_ORDER["exit"]:
             defined = definitions.variant("exit", name)
-            plans.append(VariantPlan(f"exit/{label}", name, base=model, eval_options=dict(defined.eval_options)))
+            runs = [TrainRun(phase, recipe, {**overrides, **(train_overrides or {})}, model)
+                    for phase, recipe, overrides in defined.training_steps(PRESETS[preset]["recipes"])]
+            plans.append(VariantPlan(f"exit/{label}", name, train=runs, base="" if runs else model,
+                                     eval_options=dict(defined.eval_options)))
     return plans
 
 

@@ -196,7 +196,9 @@ def checkpoint_prefill_chunk(model_dir: str | Path) -> tuple[int, str]:
     if not path.is_file():
         return DEFAULT_PREFILL_CHUNK, f"{default}: no training record ({TRAINING_META}) in {model_dir}"
     try:
-        recipe = json.loads(path.read_text(encoding="utf-8")).get("recipe")
+        meta = json.loads(path.read_text(encoding="utf-8"))
+        # an exit-gate fit keeps the checkpoint's own training recipe as model_recipe (the gate changes no chunk rule)
+        recipe = meta.get("model_recipe") or meta.get("recipe")
     except (OSError, ValueError, AttributeError, RecursionError):
         recipe = None
     if not isinstance(recipe, dict):

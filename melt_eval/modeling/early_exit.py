@@ -62,6 +62,13 @@ def _fill_deeper_loops(policy, rows: Tensor | slice, loop: int, loops: int, laye
             dk[rows, :, past], dv[rows, :, past] = kb[rows, :, past], vb[rows, :, past]
 
 
+def exit_logit(model, h: Tensor) -> Tensor:
+    """Ouro's exit gate on normed loop states h [..., d] -> logits [...] (fp32): lambda_t = sigmoid(logit), the
+    probability of exiting after that loop. The one owner of how lambda is computed: the engine's ("gate", q) rule,
+    `early_exit_probabilities` and the exit-gate recipe's objective (training/losses.py) all call it."""
+    return model.model.early_exit_gate(h).float().squeeze(-1)
+
+
 class _Decider:
     """Per active row, whether it stops after a loop (the rules of the module docstring)."""
 
@@ -74,7 +81,7 @@ class _Decider:
     def stops(self, model, h: Tensor) -> tuple[Tensor, Tensor | None]:
         """h: [b, d] normed states of the active rows -> (stop [b] bool, their logits [b, V] if computed)."""
         if self.kind == "gate":
-            lam = torch.sigmoid(model.model.early_exit_gate(h).float()).squeeze(-1)
+            lam = torch.sigmoid(exit_logit(model, h))
             self.survival = self.survival * (1 - lam)
             return 1 - self.survival >= self.value, None
         logits = model.lm_head(h).float()

@@ -213,7 +213,8 @@ class LoopLMModel(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(layer_cls(config) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        # Ouro's learned early-exit gate: loaded and reported, never used to stop (docs/method.md#looped-lm).
+        # Ouro's learned early-exit gate: used to stop only under --exit gate:Q; fitted by the exit-gate recipe
+        # (docs/method.md#early-exit).
         self.early_exit_gate = nn.Linear(config.hidden_size, 1)
         self.rotary_emb = RotaryEmbedding(config)
         self.gradient_checkpointing = False  # re-run each (layer, loop) step in backward
@@ -486,9 +487,11 @@ class LoopLMForCausalLM(LoopLMPreTrainedModel):
     def early_exit_probabilities(self, input_ids: Tensor) -> Tensor:
         """Per-loop exit probability sigmoid(early_exit_gate(norm(h_t))), [T, B, L].
 
-        Reported only: the released configuration always runs all T loops."""
+        The engine stops on these under `--exit gate:Q` (modeling/early_exit.py, which owns `exit_logit`)."""
+        from melt_eval.modeling.early_exit import exit_logit
+
         out = self(input_ids, output_loop_states=True)
-        return torch.stack([torch.sigmoid(self.model.early_exit_gate(h)).squeeze(-1) for h in out.hidden_states])
+        return torch.stack([torch.sigmoid(exit_logit(self, h)) for h in out.hidden_states])
 
 
 # transformers' Auto classes load "ouro" checkpoints with this class (no remote code), from wherever it is imported

@@ -40,6 +40,9 @@ class Variant:
     # The same checkpoint in another table ((ablation or "main", variant or registry model)): a row with
     # no results of its own borrows them from there, and the table says so.
     fallback: tuple[str, str] | None = None
+    # A recipe of its own instead of phase 1/2, trained from the model the row evaluates: `<recipe>` on the paper
+    # recipes, `tiny-<recipe>` on the tiny ones, with `phase1` its overrides (the EXIT rows' fitted gate: exit-gate)
+    recipe: str | None = None
 
     def training_steps(self, base: str = "paper") -> list[tuple[int, str, dict]]:
         """[(phase, recipe name, overrides), ...] on the "paper" or "tiny" recipes; [] when evaluated as is.
@@ -48,6 +51,8 @@ class Variant:
         """
         if base not in ("paper", "tiny"):
             raise ValueError(f"base must be 'paper' or 'tiny', got {base!r}")
+        if self.recipe is not None:
+            return [(1, self.recipe if base == "paper" else f"{base}-{self.recipe}", dict(self.phase1 or {}))]
         if self.phase1 is None:
             return []
         steps = [(1, f"{base}-phase1", dict(self.phase1))]
@@ -143,12 +148,17 @@ def training_steps(name: str, base: str = "paper") -> list[tuple[int, str, dict]
 # as is at every point. paper_key is empty: no paper figure to compare with.
 EXIT_THRESHOLDS = (0.5, 0.7, 0.9, 0.95, 0.99)
 EXIT_AGREEMENTS = (1, 2, 3)
+FITTED_GATE = "fitted-gate"  # the name prefix of the rows on a fitted gate (the report draws them as their own series)
 EXIT = Ablation("exit", "", "Early exit: accuracy against loops per token (beyond the paper)", "Exit rule", (
     Variant("exit", "full", "", "All loops", eval_options={"exit": None}),
     *(Variant("exit", f"gate-{q:g}", "", f"Gate q = {q:g}", eval_options={"exit": f"gate:{q:g}"})
       for q in EXIT_THRESHOLDS),
     *(Variant("exit", f"agree-{k}", "", f"Agree k = {k}", eval_options={"exit": f"agree:{k}"})
       for k in EXIT_AGREEMENTS),
+    # the same thresholds on the gate fitted to the model's own loop states (recipe exit-gate, Ouro's stage II),
+    # one fit per model shared by these rows; the other rows use the checkpoint's gate (MELT's is its teacher's)
+    *(Variant("exit", f"{FITTED_GATE}-{q:g}", "", f"Fitted gate q = {q:g}", recipe="exit-gate",
+              eval_options={"exit": f"gate:{q:g}"}) for q in EXIT_THRESHOLDS),
 ))
 BEYOND_PAPER: dict[str, Ablation] = {KV_COMPRESSION.name: KV_COMPRESSION, EXIT.name: EXIT}
 RUN_ORDER[EXIT.name] = tuple(v.name for v in EXIT.variants)

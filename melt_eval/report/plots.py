@@ -24,7 +24,7 @@ from melt_eval.protocol.labels import MAIN_MODELS
 from melt_eval.registry import MODELS
 from melt_eval.report.memory import GB, MB, kv_bytes_per_token_at, memory_row
 from melt_eval.report.paper import paper_memory, paper_results
-from melt_eval.report.results import ResultSet, exit_points
+from melt_eval.report.results import ResultSet, exit_points, split_fitted
 
 MELT_COLOUR, OTHER_COLOUR = "#d62728", "#1f77b4"
 TOKENS_32K = 32_768
@@ -242,10 +242,12 @@ def exit_figure(rs: ResultSet, out_dir: Path) -> list[Path]:
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(6, 4))
     for (label, task), ps in points.items():
-        colour = MELT_COLOUR if _is_melt(label) else OTHER_COLOUR
+        model, fitted = split_fitted(label)  # a fitted gate: its own series, dotted with squares
+        colour = MELT_COLOUR if _is_melt(model) else OTHER_COLOUR
         ps = [p for p in ps if _first_metric(p.result) is not None]
-        ax.plot([p.mean_loops for p in ps], [_first_metric(p.result) for p in ps], marker="o", color=colour,
-                linestyle="-" if _is_melt(label) else "--", label=f"{_display(label)} ({task})")
+        ax.plot([p.mean_loops for p in ps], [_first_metric(p.result) for p in ps], marker="s" if fitted else "o",
+                color=colour, linestyle=":" if fitted else "-" if _is_melt(model) else "--",
+                label=f"{_display(model)}{fitted} ({task})")
         for p in ps:
             if p.rule is None:
                 ax.plot([p.mean_loops], [_first_metric(p.result)], marker="*", markersize=14, color=colour)

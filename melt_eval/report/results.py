@@ -13,7 +13,15 @@ from pathlib import Path
 
 from melt_eval.errors import UserError
 from melt_eval.jsonio import read_json
+from melt_eval.protocol.variants import FITTED_GATE
 from melt_eval.report.paper import canonical_task
+
+FITTED_SUFFIX = " (fitted gate)"  # an exit series on the gate the exit-gate recipe fitted (`ablate exit`'s fitted-gate rows)
+
+
+def split_fitted(label: str) -> tuple[str, str]:
+    """An exit series' label -> (model, FITTED_SUFFIX or ""), so the model part can be displayed by its name."""
+    return (label[: -len(FITTED_SUFFIX)], FITTED_SUFFIX) if label.endswith(FITTED_SUFFIX) else (label, "")
 
 
 @dataclass
@@ -108,6 +116,8 @@ def exit_points(rs: ResultSet) -> dict[tuple[str, str], list[ExitPoint]]:
         # `ablate exit` names each run by its rule (results/ablations/exit/<model>/<rule>/): the model is the folder
         names = {r.path.parents[2].name if r.path.parents[3].name == "exit" else r.model for r in members}
         label = min(names, key=len)
+        if all(r.path.parents[1].name.startswith(FITTED_GATE) for r in members):  # ablate exit's fitted-gate rows
+            label += FITTED_SUFFIX
         out[(label, task)] = sorted(points, key=lambda p: p.mean_loops)
     return dict(sorted(out.items()))
 

@@ -233,20 +233,22 @@ def _groups(columns: list[tuple[str, str]]) -> list[tuple[str, int]]:
 def exit_table(rs: ResultSet) -> Table:
     """Beyond the paper: each checkpoint's accuracy and mean loops per generated token under every --exit rule it
     was run with, full depth first (`melt-eval ablate exit`; the figure is plots/exit.png)."""
-    from melt_eval.report.results import exit_points
+    from melt_eval.report.results import exit_points, split_fitted
 
     rows = []
     for (label, task), points in exit_points(rs).items():
         full = [p for p in points if p.rule is None]
         for i, p in enumerate(full + [p for p in points if p.rule is not None]):
             value, stderr = _pct(p.result, "accuracy")  # pass@1 where the task samples several
-            rows.append(Row([_display(label), task, p.rule or "all loops"],
+            model, fitted = split_fitted(label)  # the inherited (or own) gate and the fitted one: separate rows
+            rows.append(Row([_display(model) + fitted, task, p.rule or "all loops"],
                             [Cell(p.mean_loops, digits=2), Cell(value, stderr)], rule_before=i == 0 and bool(rows)))
     return Table(
         key="exit",
         title="Beyond the paper: early exit",
-        caption="Early exit of generated tokens (\texttt{--exit}; the prompt keeps full depth): mean loops per "
-        "generated token and accuracy / pass@1 (mean $\\pm$ standard error, percent). Not in the paper, which "
+        caption="Early exit of generated tokens (\\texttt{--exit}; the prompt keeps full depth): mean loops per "
+        "generated token and accuracy / pass@1 (mean $\\pm$ standard error, percent); ``fitted gate'': the gate "
+        "the exit-gate recipe fitted to the model's own loop states (Ouro's stage II). Not in the paper, which "
         "leaves adaptive depth to future work.",
         stub_heads=["Model", "Task", "Exit rule"],
         heads=["Loops / token", "Accuracy / pass@1"],

@@ -60,6 +60,8 @@ def build_models(recipe: Recipe):
     info = {"from_model": recipe.from_model, "from_path": str(from_dir)}
     kind = checkpoint_model_type(from_dir)
 
+    if recipe.target == "exit_gate":
+        return _gate_model(recipe, from_dir, kind, info)
     if recipe.target == "looplm":
         if kind != "ouro":
             raise UserError(f"target looplm trains an Ouro-style LoopLM; {recipe.from_model} is {kind!r}")
@@ -116,6 +118,22 @@ def build_models(recipe: Recipe):
     return student, teacher, tokenizer, info
 
 
+def _gate_model(recipe: Recipe, from_dir: Path, kind: str, info: dict):
+    """target exit_gate: the checkpoint as it is, whichever looped kind; no teacher. The record keeps the
+    checkpoint's own recipe (`model_recipe`: `run` reads its prompt chunk there) and teacher (a later phase 2)."""
+    from melt_eval.modeling import load_model
+
+    if kind not in ("ouro", "melt"):
+        raise UserError(f"target exit_gate fits the early-exit gate of a looped model (Ouro or MELT); "
+                        f"{recipe.from_model} is {kind!r}")
+    model, tokenizer = load_model(from_dir)
+    meta = read_meta(from_dir)
+    meta = meta if isinstance(meta, dict) else {}
+    info.update(teacher=meta.get("teacher"), teacher_path=meta.get("teacher_path"),
+                model_recipe=meta.get("model_recipe") or meta.get("recipe"))
+    return model, None, tokenizer, info
+
+
 def _convert(looplm, recipe: Recipe):
     """The LoopLM as MELT with the recipe's gate, its key/value heads pooled to `kv_heads` if set."""
     from melt_eval.modeling import MeltForCausalLM
@@ -132,7 +150,7 @@ def _convert(looplm, recipe: Recipe):
 
 def param_groups(model, recipe: Recipe) -> list[dict]:
     """Two groups: MELT's gate parameters at gate_lr, everything else at lr."""
-    gate = list(model.gate_parameters()) if hasattr(model, "gate_parameters") else []
+    gate = [p for p in model.gate_parameters() if p.requires_grad] if hasattr(model, "gate_parameters") else []
     gate_ids = {id(p) for p in gate}
     rest = [p for p in model.parameters() if p.requires_grad and id(p) not in gate_ids]
     groups = [{"params": rest, "lr": recipe.lr, "base_lr": recipe.lr, "name": "base"}]
@@ -143,8 +161,13 @@ def param_groups(model, recipe: Recipe) -> list[dict]:
 
 def prepare_student(student, recipe: Recipe) -> int:
     """Put the student in training mode as the recipe asks; returns the row padding multiple."""
-    # Ouro's early-exit gate is never used (all T loops always run): freeze it so that DDP/FSDP
-    # see no parameter without a gradient.
+    # Ouro's early-exit gate is trained only by target exit_gate (the objective of the others never reads it):
+    # frozen otherwise, so that DDP/FSDP see no parameter without a gradient. Under exit_gate it is all that trains.
+    if recipe.target == "exit_gate":
+        student.requires_grad_(False)
+        student.model.early_exit_gate.requires_grad_(True)
+        student.eval()  # nothing of the model itself is trained: no dropout, as it runs at inference
+        return 1
     student.model.early_exit_gate.requires_grad_(False)
     student.train()
     if recipe.gradient_checkpointing:
@@ -165,6 +188,8 @@ def prepare_training(accelerator, recipe: Recipe, mixed_precision: str) -> tuple
     if recipe.loop_ce_weights and len(recipe.loop_ce_weights) != loops:
         raise UserError(f"loop_ce_weights has {len(recipe.loop_ce_weights)} weights; {recipe.from_model} runs "
                         f"T = {loops} loops: give one weight per loop")
+    if recipe.target == "exit_gate" and loops < 2:
+        raise UserError(f"target exit_gate fits when to stop looping; {recipe.from_model} runs T = {loops} loop")
     if accelerator.is_main_process and info.get("gate_note"):
         accelerator.print(f"note: {info['gate_note']}")
     pad_multiple = prepare_student(student, recipe)

@@ -25,16 +25,19 @@ RECIPES_DIR = Path(__file__).resolve().parents[1] / "recipes"  # package data: s
 EXECUTION_FIELDS = {"compile", "log_with"}
 # fields added after run identities were first published, with the value every earlier run had: at that
 # value a field is left out of a run's identity, so a run an older melt-eval trained is found, not retrained
-ADDED_FIELDS = {"prompt_as_one_chunk": False, "kv_heads": None}
-TARGETS = ("melt", "looplm")
-OVERLONG = ("keep", "truncate", "drop")  # what is trained: MELT (converted or continued) or a plain LoopLM
+ADDED_FIELDS = {"prompt_as_one_chunk": False, "kv_heads": None, "exit_gate_k": 50.0, "exit_gate_gamma": 0.005}
+# what is trained: MELT (converted or continued), a plain LoopLM, or only the early-exit gate of either
+TARGETS = ("melt", "looplm", "exit_gate")
+OVERLONG = ("keep", "truncate", "drop")
 MIXED_PRECISION = ("auto", "bf16", "fp16", "no")
 
 
 @dataclass
 class Recipe:
     # --- what is trained -------------------------------------------------------------------
-    target: str = "melt"  # "melt": convert/continue a MELT model; "looplm": plain LM training of a LoopLM
+    target: str = "melt"  # "melt": convert/continue a MELT model; "looplm": plain LM training of a LoopLM;
+    # "exit_gate": only Ouro's early-exit gate of a LoopLM or MELT checkpoint, by Ouro's stage-II objective on the
+    # model's own loop states, every other weight frozen (docs/training.md#fitting-the-exit-gate)
     phase: int = 1  # 1: interpolated transition + KD; 2: KD + attention alignment (continues phase 1)
     from_model: str | None = None  # registry name or checkpoint dir (`--from`)
     from_scratch: bool = False  # re-initialise the weights of `from_model` (LoopLM pretraining)
@@ -60,6 +63,10 @@ class Recipe:
     # every loop's exit predicting the next token, as Ouro is trained (its weights come from its exit gate)
     loop_ce_weights: list = field(default_factory=list)
     align_beta: float = 0.0  # attention-alignment weight beta (phase 2: 0.1); 0 = no alignment
+    # target exit_gate: the continue label w_t = sigmoid(k * (I_{t+1} - gamma)), I_{t+1} = max(0, L_t - L_{t+1})
+    # (Ouro's slope k and threshold gamma; docs/method.md#early-exit)
+    exit_gate_k: float = 50.0
+    exit_gate_gamma: float = 0.005
     # --- data --------------------------------------------------------------------------------
     data: list = field(default_factory=list)  # sources, see melt_eval.training.data.build_source
     seq_len: int = 10_000
@@ -164,6 +171,13 @@ class Recipe:
         check_sizes(self, bad)
         if self.target == "looplm" and (self.kd or self.align_beta or self.interpolation_steps):
             bad("target looplm trains a plain LoopLM: set kd: false, align_beta: 0, interpolation_steps: 0")
+        if self.target == "exit_gate" and (self.kd or self.align_beta or self.interpolation_steps or self.ce_weight
+                                           or self.loop_ce_weights or self.from_scratch or self.teacher):
+            bad("target exit_gate fits only the exit gate on the model's own losses: set kd: false, align_beta: 0, "
+                "interpolation_steps: 0, ce_weight: 0, loop_ce_weights: [], from_scratch: false and no teacher")
+        if not (math.isfinite(self.exit_gate_k) and self.exit_gate_k > 0 and math.isfinite(self.exit_gate_gamma)):
+            bad(f"exit_gate_k must be a finite number > 0 and exit_gate_gamma finite, got {self.exit_gate_k}, "
+                f"{self.exit_gate_gamma}")
         if self.phase == 2 and self.interpolation_steps:
             bad("phase 2 continues at alpha = 1: set interpolation_steps: 0")
         return self
@@ -184,7 +198,7 @@ class Recipe:
 
     def needs_loop_states(self) -> bool:
         """Whether the objective reads every loop's hidden state (all-loop KD, alignment, per-loop CE)."""
-        return self.kd or self.align_beta > 0 or bool(self.loop_ce_weights)
+        return self.kd or self.align_beta > 0 or bool(self.loop_ce_weights) or self.target == "exit_gate"
 
 
 # The keys each kind of data source takes (melt_eval.training.data builds them) and the type of each value.

@@ -208,3 +208,52 @@ def objective(
     if align_beta > 0:
         add("align", align_loss(student_out.attn_outputs, teacher_out.attn_outputs, attention_mask), align_beta, n_tokens)
     return LossTerms(total=total, parts=parts)
+
+
+# --- target exit_gate: Ouro's stage-II adaptive-exit objective (docs/method.md#early-exit) ------------------------
+
+def exit_gate_labels(loop_losses: Tensor, k: float = 50.0, gamma: float = 0.005) -> Tensor:
+    """Continue labels [T-1, n] from per-token losses of every loop's exit [T, n] (detached):
+    w_t = sigmoid(k * (I_{t+1} - gamma)), I_{t+1} = max(0, L_t - L_{t+1}), for t = 1..T-1.
+
+    Indexing: lambda_t is read after loop t to decide whether loop t+1 runs, so its label is what loop t+1
+    would gain. Ouro's Eq. 5-6 pair lambda^(t) with I^(t) = L^(t-1) - L^(t) for t = 2..T, the gain loop t already
+    made; that leaves lambda_1, the first exit the engine can take, untrained and trains lambda_T, which
+    nothing reads (the last loop always exits). Why we shift it: docs/method.md#early-exit."""
+    improvement = (loop_losses[:-1] - loop_losses[1:]).clamp_min(0)
+    return torch.sigmoid(k * (improvement - gamma))
+
+
+def exit_gate_loss(gate_logits: Tensor, labels: Tensor) -> Tensor:
+    """-[w_t log(1 - lambda_t) + (1 - w_t) log lambda_t], lambda_t = sigmoid(logit): the mean over loops, summed
+    over tokens. gate_logits, labels: [T-1, n]."""
+    per = -(labels * F.logsigmoid(-gate_logits) + (1 - labels) * F.logsigmoid(gate_logits))
+    return per.mean(0).sum()
+
+
+def per_token_cross_entropy(head, hidden: Tensor, targets: Tensor) -> Tensor:
+    """Cross-entropy of head(hidden) per row [n] (fp32, no gradient), a block of rows at a time. hidden [n, d]."""
+    step = max(1, LOGIT_BLOCK_ELEMENTS // head.out_features)
+    with torch.no_grad():
+        pieces = [F.cross_entropy(head(hidden[s : s + step]).float(), targets[s : s + step], reduction="none")
+                  for s in range(0, hidden.shape[0], step)]
+    return torch.cat(pieces) if pieces else hidden.new_zeros(0, dtype=torch.float32)
+
+
+def exit_gate_objective(student_out, input_ids: Tensor, loss_mask: Tensor, *, head, gate_logit, k: float,
+                        gamma: float, n_loss_tokens: float) -> LossTerms:
+    """Ouro's stage II for one micro-batch, over the reply tokens: labels from each loop's detached next-token
+    loss (no gradient reaches the model), the gate's logits gate_logit(h_t) [n] on loops 1..T-1 (the last loop
+    always exits). Logs the loss, the mean continue label and the mean exit probability lambda."""
+    mask = shift_mask(loss_mask)
+    targets = input_ids[:, 1:][mask]
+    states = [h[:, :-1][mask].detach() for h in student_out.hidden_states]  # T x [n, d]
+    losses = torch.stack([per_token_cross_entropy(head, h, targets) for h in states])  # [T, n]
+    labels = exit_gate_labels(losses, k, gamma)
+    logits = torch.stack([gate_logit(h) for h in states[:-1]])  # [T-1, n]
+    denom = max(n_loss_tokens, 1.0)
+    total = exit_gate_loss(logits, labels) / denom
+    with torch.no_grad():
+        parts = {"exit_gate": float(total), "exit_continue": float(labels.mean(0).sum()) / denom,
+                 "exit_lambda": float(torch.sigmoid(logits).mean(0).sum()) / denom}
+    return LossTerms(total=total, parts=parts)

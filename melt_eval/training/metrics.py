@@ -128,9 +128,11 @@ def _flat(config: dict) -> dict:
 def status(record: dict) -> str:
     """The progress line's status for one step's record."""
     bits = [f"loss {record['loss']:.4f}"]
-    for k in ("kd", "sft", "align"):
+    for k in ("kd", "sft", "align", "exit_gate"):
         if k in record:
             bits.append(f"{k} {record[k]:.4f}")
+    if "exit_lambda" in record:
+        bits.append(f"λ̄ {record['exit_lambda']:.3f}")
     bits.append(f"α {record['alpha']:.2f}")
     if "gate_mean_all" in record:
         bits.append(f"z̄ {record['gate_mean_all']:.3f}")

@@ -97,7 +97,7 @@ def _train(recipe: Recipe, output: Path, *, resume: bool, progress: bool, stop_a
     if logger.note:
         accelerator.print(f"note: {logger.note}")
 
-    default_label = f"{recipe.target} phase {recipe.phase}" if recipe.target == "melt" else "looplm"
+    default_label = {"melt": f"melt phase {recipe.phase}", "exit_gate": "exit gate"}.get(recipe.target, "looplm")
     try:
         step, tokens_seen = _loop(trainee, output, logger, start_step, tokens_seen, last_good,
                                   progress=progress, stop_after=stop_after, label=label or default_label)

@@ -19,7 +19,7 @@ import torch
 from melt_eval.errors import UserError
 from melt_eval.training.config import Recipe
 from melt_eval.training.data import DataStream, bucket, prompt_length
-from melt_eval.training.losses import objective
+from melt_eval.training.losses import exit_gate_objective, objective
 
 
 class NonFiniteLoss(UserError):
@@ -60,6 +60,8 @@ def forward_objective(model, teacher, batch: dict, recipe: Recipe, step: int, *,
     teacher (the LoopLM, so chunking does not matter for it) runs without gradients. Neither
     builds [B, L, V] logits: the objective computes them a block of loss rows at a time.
     """
+    if recipe.target == "exit_gate":
+        return _exit_gate_objective(model, batch, recipe, n_loss_tokens)
     if output_loop_states is None:
         output_loop_states = recipe.needs_loop_states()
     ids, attn = batch["input_ids"], batch["attention_mask"]
@@ -81,6 +83,25 @@ def forward_objective(model, teacher, batch: dict, recipe: Recipe, step: int, *,
     chunk_size, first_chunk = chunks(recipe, batch, getattr(model, "module", model).cache_layout())  # DDP/FSDP wrap it
     out = model(ids, attention_mask=attn, chunk_size=chunk_size, first_chunk=first_chunk, alpha=recipe.alpha(step),
                 output_loop_states=output_loop_states, output_attn_outputs=align, compute_logits=False, loss_fn=loss_fn)
+    return out.loss_terms, out
+
+
+def _exit_gate_objective(model, batch: dict, recipe: Recipe, n_loss_tokens: float):
+    """target exit_gate: the model's own forward (for MELT its chunks and shared cache, by the recipe's chunk rule,
+    so the gate sees the states MELT decodes with), every loop's state, Ouro's stage-II objective on the gate.
+    Every weight but the gate's is frozen, so the forward itself records no graph."""
+    from melt_eval.modeling.early_exit import exit_logit
+
+    inner = getattr(model, "module", model)  # DDP/FSDP wrap it
+    ids = batch["input_ids"]
+
+    def loss_fn(head, out):  # inside the forward, as the other objectives (FSDP-gathered weights, autocast)
+        return exit_gate_objective(out, ids, batch["loss_mask"], head=head, gate_logit=lambda h: exit_logit(inner, h),
+                                   k=recipe.exit_gate_k, gamma=recipe.exit_gate_gamma, n_loss_tokens=n_loss_tokens)
+
+    chunk_size, first_chunk = chunks(recipe, batch, inner.cache_layout())
+    out = model(ids, attention_mask=batch["attention_mask"], chunk_size=chunk_size, first_chunk=first_chunk,
+                output_loop_states=True, output_attn_outputs=False, compute_logits=False, loss_fn=loss_fn)
     return out.loss_terms, out
 
 
