@@ -176,3 +176,31 @@ def test_ablate_exit_fits_one_gate_per_model_for_its_fitted_rows():
         assert runs[0][0].overrides == {"max_steps": 5}
     inherited = [p for p in plans if p.name.startswith("gate-")]
     assert inherited and all(not p.train and p.base in ("tiny-random-ouro", "tiny-random-melt") for p in inherited)
+
+
+def test_the_report_draws_the_fitted_gate_as_its_own_series(tmp_path):
+    """`ablate exit`'s fitted-gate rows (another checkpoint: the fit) are their own rows and line, not merged
+    into the checkpoint's own gate's."""
+    from melt_eval.report.results import load_results
+    from melt_eval.report.tables import build_tables
+    from melt_eval.report.write import write_report
+
+    def result(name, model_path, rule, pass1, mean):
+        settings = {"loops": 4, "kv_sharing": None, "samples": 2, **({"exit": rule} if rule else {})}
+        raw = {"model": name, "task": "synthetic", "finished": True, "settings": settings, "model_path": model_path,
+               "metrics": {"pass@1": {"value": pass1, "stderr": 0.05}}}
+        if rule:
+            raw["loops_per_token"] = {"mean": mean, "histogram": {"1": 1, "2": 1, "3": 0, "4": 0}}
+        path = tmp_path / "ablations" / "exit" / "tiny-random-melt" / name / "synthetic" / "results.json"
+        path.parent.mkdir(parents=True)
+        path.write_text(json.dumps(raw))
+
+    result("full", "/ckpt/melt", None, 0.6, None)
+    result("gate-0.5", "/ckpt/melt", "gate:0.5", 0.3, 1.2)
+    result("fitted-gate-0.5", "/runs/tiny-exit-gate-abc", "gate:0.5", 0.55, 2.5)
+    [table] = [t for t in build_tables(load_results(tmp_path)) if t.key == "exit"]
+    rows = [(r.stub[0], r.stub[2], r.cells[0].value) for r in table.rows]
+    assert rows == [("tiny-random-melt", "all loops", 4.0), ("tiny-random-melt", "gate:0.5", 1.2),
+                    ("tiny-random-melt (fitted gate)", "gate:0.5", 2.5)]
+    out = write_report(tmp_path, tmp_path / "report", latex=False)
+    assert tmp_path / "report" / "plots" / "exit.png" in out["files"]
