@@ -80,6 +80,19 @@ def test_the_loss_is_ouro_stage_two_by_hand():
     assert exit_gate_loss(logits, w).item() == pytest.approx(by_hand, rel=1e-5)
 
 
+def test_the_loop_losses_behind_the_labels_stay_fp32_under_bf16_autocast():
+    """gamma = 0.005 nats is finer than bf16 logits resolve: the per-token losses are the fp32 ones under autocast."""
+    from melt_eval.training.losses import per_token_cross_entropy
+
+    torch.manual_seed(0)
+    head, hidden, targets = torch.nn.Linear(64, 500, bias=False), torch.randn(30, 64), torch.randint(0, 500, (30,))
+    plain = per_token_cross_entropy(head, hidden, targets)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        autocast = per_token_cross_entropy(head, hidden, targets)
+    assert autocast.dtype == torch.float32 and torch.allclose(plain, autocast, atol=1e-6)
+    assert torch.allclose(plain, torch.nn.functional.cross_entropy(head(hidden), targets, reduction="none"), atol=1e-5)
+
+
 def test_the_objective_reads_reply_tokens_only_and_reaches_only_the_gate(random_looplm, training_batch):
     """Divided by the step's loss tokens; a prompt token's state changes nothing; no gradient but the gate's."""
     model = random_looplm(0.2)
