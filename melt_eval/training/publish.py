@@ -37,6 +37,7 @@ def model_card(meta: dict, hub_model_id: str | None = None) -> str:
             ("recipe", recipe.get("name") or meta.get("recipe_name")), ("target", target), ("phase", meta.get("phase")),
             ("steps", meta.get("steps")), ("tokens seen", meta.get("tokens_seen")),
             ("gate", recipe.get("gate")), ("chunk size", recipe.get("chunk_size")),
+            ("early-exit gate", meta.get("exit_gate")),  # "fitted" by the exit-gate recipe
             ("melt-eval", f"{_version()} (git {code.get('git_sha') or 'unknown'})")]
     table = "\n".join(f"| {k} | {v} |" for k, v in rows if v is not None)
     base = meta.get("from_model")
