@@ -70,19 +70,46 @@ def quantize(x: Tensor, dtype: str, group: int, per_channel: bool, out_dtype: to
     return codes, scale.squeeze(axis).to(out_dtype), lo.squeeze(axis).to(out_dtype)
 
 
+def fp8_to(codes: Tensor, out_dtype: torch.dtype) -> Tensor:
+    """e4m3 codes -> `out_dtype`, exactly `codes.to(out_dtype)` but through integer operations (the CPU's fp8 cast
+    runs one element at a time): the byte's exponent and mantissa bits shifted into a float32's (exponent 0 is the
+    float32 denormal with the same mantissa), scaled by 2^(127 - 7) to e4m3's bias. Codes are clamped to +-448,
+    so no NaN is stored."""
+    b = codes.view(torch.uint8).to(torch.int32)
+    bits = ((b & 0x80) << 24) | ((b & 0x7F) << 20)
+    return (bits.view(torch.float32) * 2.0**120).to(out_dtype)
+
+
 def dequantize(codes: Tensor, scale: Tensor | None, lo: Tensor | None, dtype: str, group: int, per_channel: bool,
-               out_dtype: torch.dtype) -> Tensor:
-    """The inverse of `quantize`: [B, H, n, d] in `out_dtype`."""
+               out_dtype: torch.dtype, out: Tensor | None = None) -> Tensor:
+    """The inverse of `quantize`: [B, H, n, d] in `out_dtype`, written into `out` ([B, H, n, d], e.g. the leading
+    columns of the buffer attention reads) when given. One cast and one broadcast addcmul over [.., G] views
+    of the whole tensor: no per-group work."""
+    b, h, n = codes.shape[:3]
+    d = codes.shape[3] * (2 if dtype == "int4" else 1)
+    if out is None:
+        out = torch.empty(b, h, n, d, dtype=out_dtype, device=codes.device)
     if dtype == "fp8":
-        return codes.to(out_dtype)
-    if dtype == "int4":
-        codes = _unpack4(codes)
-    b, h, n, d = codes.shape
-    if per_channel:
-        x = torch.addcmul(lo[:, :, :, None], codes.view(b, h, n // group, group, d).to(out_dtype), scale[:, :, :, None])
+        out.copy_(fp8_to(codes, out_dtype))
+        return out
+    if dtype == "int4":  # unpack straight into the cast: low nibble -> even channel, high -> odd
+        x = torch.empty(b, h, n, d // 2, 2, dtype=out_dtype, device=codes.device)
+        torch.bitwise_and(codes, 15, out=x[..., 0])
+        torch.bitwise_right_shift(codes, 4, out=x[..., 1])
+        x = x.view(b, h, n, d)
     else:
-        x = torch.addcmul(lo[..., None], codes.view(b, h, n, d // group, group).to(out_dtype), scale[..., None])
-    return x.view(b, h, n, d)
+        x = codes.to(out_dtype)
+    if per_channel:  # keys: [B, H, n / G, G, d], a scale per (token group, channel)
+        torch.addcmul(lo[:, :, :, None], x.view(b, h, n // group, group, d), scale[:, :, :, None],
+                      out=out.view(b, h, n // group, group, d))
+    else:  # values: [B, H, n, d / G, G], a scale per (token, channel group)
+        # the minima first, then one in-place addcmul (the same fused multiply-add as `addcmul(lo, x, scale)`):
+        # with both scale and minimum broadcast along the innermost dim addcmul runs scalar code, with one it
+        # stays vectorized
+        grouped = out.view(b, h, n, d // group, group)
+        grouped.copy_(lo[..., None].expand_as(grouped))
+        grouped.addcmul_(x.view(b, h, n, d // group, group), scale[..., None])
+    return out
 
 
 class _Entry:
@@ -116,22 +143,33 @@ class _Entry:
 
     def read(self, end: int, base: "_Entry | None") -> tuple[Tensor, Tensor]:
         """K and V of absolute columns [0, end) in the model's dtype (`base`: loop 1's entry a delta adds to)."""
-        ks, vs = self.parts(end, base)
-        return torch.cat(ks, dim=2), torch.cat(vs, dim=2)
-
-    def parts(self, end: int, base: "_Entry | None") -> tuple[list[Tensor], list[Tensor]]:
-        """`read`'s pieces (dequantized groups, window) uncatenated: attention joins them with the chunk in one cat."""
         t = self.tensors
         if not self.quant.quantized:
-            return [t["k"][:, :, :end]], [t["v"][:, :, :end]]
+            return t["k"][:, :, :end], t["v"][:, :, :end]
+        empty = t["kw"][:, :, :0]
+        return self.read_with(end, base, empty, empty)
+
+    def read_with(self, end: int, base: "_Entry | None", k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """[columns [0, end), then a chunk's own k, v [B, H, c, d]] in the model's dtype: each column written once
+        into the one buffer attention reads (dequantized groups, window, chunk), no concatenation of pieces."""
+        t = self.tensors
+        if not self.quant.quantized:  # loop 1 of the cross-loop cache
+            return (torch.cat([t["k"][:, :, :end], k.to(self.dtype)], dim=2),
+                    torch.cat([t["v"][:, :, :end], v.to(self.dtype)], dim=2))
         q, g, dt = self.quant.quantized_tokens(end), self.quant.group, self.quant.dtype
-        k = dequantize(t["kc"][:, :, :q], _cut(t, "ks", q // g),
-                       _cut(t, "kz", q // g), dt, g, True, self.dtype)
-        v = dequantize(t["vc"][:, :, :q], _cut(t, "vs", q), _cut(t, "vz", q), dt, g, False, self.dtype)
-        if base is not None:
-            bk, bv = base.read(q, None)
-            k, v = k + bk, v + bv
-        return [k, t["kw"][:, :, : end - q]], [v, t["vw"][:, :, : end - q]]
+        b, h, _, d = t["kw"].shape
+        out = []
+        for name, per_channel, new in (("k", True, k), ("v", False, v)):
+            full = torch.empty(b, h, end + new.shape[2], d, dtype=self.dtype, device=new.device)
+            groups = q // g if per_channel else q
+            dequantize(t[name + "c"][:, :, :q], _cut(t, name + "s", groups), _cut(t, name + "z", groups), dt, g,
+                       per_channel, self.dtype, out=full[:, :, :q])
+            if base is not None:  # a later loop's delta: add loop 1's entries
+                full[:, :, :q] += base.tensors[name][:, :, :q]
+            full[:, :, q:end] = t[name + "w"][:, :, : end - q]
+            full[:, :, end:] = new
+            out.append(full)
+        return out[0], out[1]
 
     def append(self, start: int, k: Tensor, v: Tensor, base: "_Entry | None") -> None:
         """Commit the entries of absolute columns [start, start + c); quantize the groups that leave the window."""
@@ -197,8 +235,7 @@ class QuantizedStore:
         end = self.offset + past
         if end + k.shape[2] > self.capacity:
             raise RuntimeError(f"KV cache full: {end + k.shape[2]} > capacity {self.capacity}")
-        pk, pv = self.entries[key].parts(end, self._base(key))
-        keys, values = torch.cat([*pk, k.to(pk[0].dtype)], dim=2), torch.cat([*pv, v.to(pv[0].dtype)], dim=2)
+        keys, values = self.entries[key].read_with(end, self._base(key), k, v)
         if self.offset:  # a prefill view reads its own columns only
             keys, values = keys[:, :, self.offset :], values[:, :, self.offset :]
         return chunk_attention(q, keys, values, mask)
