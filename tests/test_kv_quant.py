@@ -328,3 +328,58 @@ def test_beyond_the_paper_table_sits_beside_the_papers_tables(tmp_path):
     assert int4[1].value == int4[2].value == pytest.approx(0.262144) and int4[3].value == pytest.approx(0.25)
     assert int4[4].text == "-10.0"  # no per-problem scores kept: the gap without its paired error
     assert rows["MELT, int8 cache"][0].value is None  # not run: n/a, not invented
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("fmt", ["fp8", "int8", "int4"])
+@pytest.mark.parametrize("per_channel", [True, False])
+def test_dequantize_into_a_buffer_is_the_formula_exactly(dtype, fmt, per_channel):
+    """The fast read (a cast, one fused multiply-add, written into the buffer attention reads) gives exactly
+    lo + code x scale per group, and writes nothing outside its columns; fp8's integer decode is the cast."""
+    from melt_eval.modeling.kv_quant import _unpack4, dequantize, quantize
+
+    g, x = 32, _x(2, 3, 64, 64).to(dtype)
+    codes, scale, lo = quantize(x, fmt, g, per_channel, dtype)
+    if fmt == "fp8":
+        want = codes.to(dtype)
+    else:
+        c = (_unpack4(codes) if fmt == "int4" else codes).to(dtype)
+        shape = (2, 3, 2, g, 64) if per_channel else (2, 3, 64, 2, g)
+        at = (slice(None), slice(None), slice(None), None) if per_channel else (..., None)
+        want = torch.addcmul(lo[at], c.view(shape), scale[at]).view(2, 3, 64, 64)
+    buffer = torch.full((2, 3, 70, 64), 7.0, dtype=dtype)
+    dequantize(codes, scale, lo, fmt, g, per_channel, dtype, out=buffer[:, :, :64])
+    assert torch.equal(buffer[:, :, :64], want) and (buffer[:, :, 64:] == 7).all()
+    assert torch.equal(dequantize(codes, scale, lo, fmt, g, per_channel, dtype), want)
+
+
+def test_fp8_integer_decode_matches_the_cast_on_every_code():
+    from melt_eval.modeling.kv_quant import fp8_to
+
+    codes = torch.arange(256, dtype=torch.uint8)
+    codes = codes[(codes & 0x7F) != 0x7F].view(torch.float8_e4m3fn)  # all but the two NaNs (never stored)
+    for dtype in (torch.float32, torch.bfloat16):
+        assert torch.equal(fp8_to(codes, dtype), codes.to(dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_store_read_is_dequantized_groups_window_and_chunk(dtype, fmt):
+    """What attention reads from a quantized store (bf16 too, as GPU users run): the dequantized groups, the
+    full-precision window and the chunk's own entries, in column order; the cross-loop delta adds loop 1."""
+    from melt_eval.modeling.kv_quant import QuantizedStore, dequantize
+
+    layout = compressed_layout(cache_layout("melt", loops=2, layers=1, kv_heads=2, head_dim=64), fmt)
+    store = QuantizedStore(layout, [0], batch=2, kv_heads=2, capacity=200, head_dim=64, dtype=dtype, device="cpu")
+    k, v = _x(2, 2, 150, 64, seed=1).to(dtype), _x(2, 2, 150, 64, seed=2).to(dtype)
+    store.commit({0: (k, v)}, 150)
+    kn, vn = _x(2, 2, 3, 64, seed=5).to(dtype), _x(2, 2, 3, 64, seed=6).to(dtype)
+    got_k, got_v = store.entries[0].read_with(150, None, kn, vn)
+    q, t, g = layout.quant.quantized_tokens(150), store.entries[0].tensors, layout.quant.group
+    assert got_k.shape == (2, 2, 153, 64) and got_k.dtype == dtype
+    assert torch.equal(got_k[:, :, :q], dequantize(t["kc"][:, :, :q], t["ks"][:, :, :q // g], t["kz"][:, :, :q // g],
+                                                   fmt, g, True, dtype))
+    assert torch.equal(got_v[:, :, :q], dequantize(t["vc"][:, :, :q], t["vs"][:, :, :q], t["vz"][:, :, :q],
+                                                   fmt, g, False, dtype))
+    assert torch.equal(got_k[:, :, q:150], k[:, :, q:]) and torch.equal(got_v[:, :, q:150], v[:, :, q:])
+    assert torch.equal(got_k[:, :, 150:], kn) and torch.equal(got_v[:, :, 150:], vn)

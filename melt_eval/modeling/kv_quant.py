@@ -70,39 +70,46 @@ def quantize(x: Tensor, dtype: str, group: int, per_channel: bool, out_dtype: to
     return codes, scale.squeeze(axis).to(out_dtype), lo.squeeze(axis).to(out_dtype)
 
 
-def fp8_to(codes: Tensor, out_dtype: torch.dtype) -> Tensor:
+def fp8_to(codes: Tensor, out_dtype: torch.dtype, out: Tensor | None = None) -> Tensor:
     """e4m3 codes -> `out_dtype`, exactly `codes.to(out_dtype)` but through integer operations (the CPU's fp8 cast
     runs one element at a time): the byte's exponent and mantissa bits shifted into a float32's (exponent 0 is the
     float32 denormal with the same mantissa), scaled by 2^(127 - 7) to e4m3's bias. Codes are clamped to +-448,
     so no NaN is stored."""
     b = codes.view(torch.uint8).to(torch.int32)
     bits = ((b & 0x80) << 24) | ((b & 0x7F) << 20)
-    return (bits.view(torch.float32) * 2.0**120).to(out_dtype)
+    if out is None:
+        return (bits.view(torch.float32) * 2.0**120).to(out_dtype)
+    return torch.mul(bits.view(torch.float32), 2.0**120, out=out)
+
+
+def _cast_codes(codes: Tensor, dtype: str, out: Tensor) -> None:
+    """Integer codes [B, H, n, d] (int4: packed [B, H, n, d / 2]) as floats into `out` [B, H, n, d]."""
+    if dtype == "int4":  # low nibble -> even channel, high -> odd
+        pairs = out.unflatten(-1, (-1, 2))
+        torch.bitwise_and(codes, 15, out=pairs[..., 0])
+        torch.bitwise_right_shift(codes, 4, out=pairs[..., 1])
+    else:
+        out.copy_(codes)
 
 
 def dequantize(codes: Tensor, scale: Tensor | None, lo: Tensor | None, dtype: str, group: int, per_channel: bool,
                out_dtype: torch.dtype, out: Tensor | None = None) -> Tensor:
     """The inverse of `quantize`: [B, H, n, d] in `out_dtype`, written into `out` ([B, H, n, d], e.g. the leading
-    columns of the buffer attention reads) when given. One cast and one broadcast addcmul over [.., G] views
-    of the whole tensor: no per-group work."""
+    columns of the buffer attention reads) when given. Whole tensors at a time (a cast, then one fused
+    multiply-add over [.., G] views): no per-group work, and no temporary for the keys."""
     b, h, n = codes.shape[:3]
     d = codes.shape[3] * (2 if dtype == "int4" else 1)
     if out is None:
         out = torch.empty(b, h, n, d, dtype=out_dtype, device=codes.device)
     if dtype == "fp8":
-        out.copy_(fp8_to(codes, out_dtype))
-        return out
-    if dtype == "int4":  # unpack straight into the cast: low nibble -> even channel, high -> odd
-        x = torch.empty(b, h, n, d // 2, 2, dtype=out_dtype, device=codes.device)
-        torch.bitwise_and(codes, 15, out=x[..., 0])
-        torch.bitwise_right_shift(codes, 4, out=x[..., 1])
-        x = x.view(b, h, n, d)
-    else:
-        x = codes.to(out_dtype)
-    if per_channel:  # keys: [B, H, n / G, G, d], a scale per (token group, channel)
-        torch.addcmul(lo[:, :, :, None], x.view(b, h, n // group, group, d), scale[:, :, :, None],
-                      out=out.view(b, h, n // group, group, d))
+        fp8_to(codes, out_dtype, out=out)
+    elif per_channel:  # keys: [B, H, n / G, G, d], a scale per (token group, channel); in place, out = lo + out * scale
+        _cast_codes(codes, dtype, out)
+        grouped = out.view(b, h, n // group, group, d)
+        torch.addcmul(lo[:, :, :, None], grouped, scale[:, :, :, None], out=grouped)
     else:  # values: [B, H, n, d / G, G], a scale per (token, channel group)
+        x = torch.empty(b, h, n, d, dtype=out_dtype, device=codes.device)
+        _cast_codes(codes, dtype, x)
         # the minima first, then one in-place addcmul (the same fused multiply-add as `addcmul(lo, x, scale)`):
         # with both scale and minimum broadcast along the innermost dim addcmul runs scalar code, with one it
         # stays vectorized
