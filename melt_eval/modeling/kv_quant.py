@@ -30,12 +30,18 @@ from typing import Hashable
 
 import torch
 
-from melt_eval.cache_layout import KV_BITS, CacheLayout, KVQuant
+from melt_eval.cache_layout import KV_BITS, KV_SCALE_BYTES, CacheLayout, KVQuant
 from melt_eval.modeling.kv_cache import chunk_attention
 
 Tensor = torch.Tensor
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
+
+
+def scale_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Scales and minima are KV_SCALE_BYTES wide (cache_layout counts them so): the model's dtype if 16-bit, else
+    bfloat16 (float32's range: a key's outlier channel cannot overflow it)."""
+    return dtype if dtype.itemsize == KV_SCALE_BYTES else torch.bfloat16
 
 
 def _pack4(codes: Tensor) -> Tensor:
@@ -47,10 +53,18 @@ def _unpack4(packed: Tensor) -> Tensor:
     return torch.stack((packed & 15, packed >> 4), dim=-1).flatten(-2)
 
 
+def _round(x: Tensor, dtype: torch.dtype, direction: int) -> Tensor:
+    """float32 x -> the nearest `dtype` value not below it (direction 1) or not above it (-1), as float32."""
+    y = x.to(dtype)
+    off = y.float() < x if direction > 0 else y.float() > x
+    return torch.where(off, torch.nextafter(y, torch.full_like(y, direction * float("inf"))), y).float()
+
+
 def quantize(x: Tensor, dtype: str, group: int, per_channel: bool, out_dtype: torch.dtype):
     """x [B, H, n, d] -> (codes, scale, minimum): per_channel (keys) groups `group` tokens of a channel
     (n a multiple of group; scales [B, H, n / group, d]); else (values) `group` channels of a token (scales
-    [B, H, n, d / group]). Scales and minima are in `out_dtype`; fp8 returns (codes, None, None)."""
+    [B, H, n, d / group]). Scales and minima are in `out_dtype` (the store's `scale_dtype`); fp8 returns
+    (codes, None, None)."""
     if dtype == "fp8":
         return x.clamp(-FP8_MAX, FP8_MAX).to(FP8), None, None
     b, h, n, d = x.shape
@@ -60,9 +74,9 @@ def quantize(x: Tensor, dtype: str, group: int, per_channel: bool, out_dtype: to
     lo, hi = grouped.amin(axis, keepdim=True), grouped.amax(axis, keepdim=True)
     levels = 2 ** KV_BITS[dtype] - 1
     # the stored (rounded) scale and minimum are the ones quantized against, so dequantizing is exact up to
-    # half a step
-    lo = lo.to(out_dtype).float()
-    scale = ((hi - lo) / levels).to(out_dtype).float()
+    # half a step; both rounded outwards (minimum down, scale up) so every value's code lies in [0, levels]
+    lo = _round(lo, out_dtype, -1)
+    scale = _round((hi - lo) / levels, out_dtype, 1)
     safe = torch.where(scale > 0, scale, torch.ones_like(scale))
     codes = ((grouped - lo) / safe).round_().clamp_(0, levels).to(torch.uint8).view(b, h, n, d)
     if dtype == "int4":
@@ -102,8 +116,9 @@ def dequantize(codes: Tensor, scale: Tensor | None, lo: Tensor | None, dtype: st
     if out is None:
         out = torch.empty(b, h, n, d, dtype=out_dtype, device=codes.device)
     if dtype == "fp8":
-        fp8_to(codes, out_dtype, out=out)
-    elif per_channel:  # keys: [B, H, n / G, G, d], a scale per (token group, channel); in place, out = lo + out * scale
+        return fp8_to(codes, out_dtype, out=out)
+    scale, lo = scale.to(out_dtype), lo.to(out_dtype)  # [.., n / G or d / G]: 1/G of the codes, cheap to widen
+    if per_channel:  # keys: [B, H, n / G, G, d], a scale per (token group, channel); in place, out = lo + out * scale
         _cast_codes(codes, dtype, out)
         grouped = out.view(b, h, n // group, group, d)
         torch.addcmul(lo[:, :, :, None], grouped, scale[:, :, :, None], out=grouped)
@@ -136,10 +151,11 @@ class _Entry:
              "kw": torch.zeros(batch, kv_heads, quant.window_for(capacity), head_dim, dtype=dtype, device=device),
              "vw": torch.zeros(batch, kv_heads, quant.window_for(capacity), head_dim, dtype=dtype, device=device)}
         if quant.dtype != "fp8":
+            sd = scale_dtype(dtype)
             for name in ("ks", "kz"):  # keys: per channel, one per group of g tokens
-                t[name] = torch.zeros(batch, kv_heads, q // g, head_dim, dtype=dtype, device=device)
+                t[name] = torch.zeros(batch, kv_heads, q // g, head_dim, dtype=sd, device=device)
             for name in ("vs", "vz"):  # values: per token, one per group of g channels
-                t[name] = torch.zeros(batch, kv_heads, q, head_dim // g, dtype=dtype, device=device)
+                t[name] = torch.zeros(batch, kv_heads, q, head_dim // g, dtype=sd, device=device)
         self.tensors = t
 
     def rows(self, rows: slice) -> "_Entry":
@@ -194,8 +210,8 @@ class _Entry:
             if base is not None:  # the cross-loop cache stores the difference from loop 1
                 bk, bv = base.tensors["k"][:, :, q0:q1], base.tensors["v"][:, :, q0:q1]
                 kq, vq = kq - bk, vq - bv
-            kc, ks, kz = quantize(kq, self.quant.dtype, g, True, self.dtype)
-            vc, vs, vz = quantize(vq, self.quant.dtype, g, False, self.dtype)
+            kc, ks, kz = quantize(kq, self.quant.dtype, g, True, scale_dtype(self.dtype))
+            vc, vs, vz = quantize(vq, self.quant.dtype, g, False, scale_dtype(self.dtype))
             t["kc"][:, :, q0:q1], t["vc"][:, :, q0:q1] = kc, vc
             if ks is not None:
                 t["ks"][:, :, q0 // g : q1 // g], t["kz"][:, :, q0 // g : q1 // g] = ks, kz
