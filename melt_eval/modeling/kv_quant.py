@@ -107,9 +107,10 @@ def _cast_codes(codes: Tensor, dtype: str, out: Tensor) -> None:
 
 
 def dequantize(codes: Tensor, scale: Tensor | None, lo: Tensor | None, dtype: str, group: int, per_channel: bool,
-               out_dtype: torch.dtype, out: Tensor | None = None) -> Tensor:
+               out_dtype: torch.dtype, out: Tensor | None = None, work: Tensor | None = None) -> Tensor:
     """The inverse of `quantize`: [B, H, n, d] in `out_dtype`, written into `out` ([B, H, n, d], e.g. the leading
-    columns of the buffer attention reads) when given. Whole tensors at a time (a cast, then one fused
+    columns of the buffer attention reads) when given (`work`, [B, H, n, d] in `out_dtype`: room for the values'
+    cast codes). Whole tensors at a time (a cast, then one fused
     multiply-add over [.., G] views): no per-group work, and no temporary for the keys."""
     b, h, n = codes.shape[:3]
     d = codes.shape[3] * (2 if dtype == "int4" else 1)
@@ -123,7 +124,7 @@ def dequantize(codes: Tensor, scale: Tensor | None, lo: Tensor | None, dtype: st
         grouped = out.view(b, h, n // group, group, d)
         torch.addcmul(lo[:, :, :, None], grouped, scale[:, :, :, None], out=grouped)
     else:  # values: [B, H, n, d / G, G], a scale per (token, channel group)
-        x = torch.empty(b, h, n, d, dtype=out_dtype, device=codes.device)
+        x = torch.empty(b, h, n, d, dtype=out_dtype, device=codes.device) if work is None else work
         _cast_codes(codes, dtype, x)
         # the minima first, then one in-place addcmul (the same fused multiply-add as `addcmul(lo, x, scale)`):
         # with both scale and minimum broadcast along the innermost dim addcmul runs scalar code, with one it
@@ -172,9 +173,11 @@ class _Entry:
         empty = t["kw"][:, :, :0]
         return self.read_with(end, base, empty, empty)
 
-    def read_with(self, end: int, base: "_Entry | None", k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+    def read_with(self, end: int, base: "_Entry | None", k: Tensor, v: Tensor,
+                  scratch: "dict[str, Tensor] | None" = None) -> tuple[Tensor, Tensor]:
         """[columns [0, end), then a chunk's own k, v [B, H, c, d]] in the model's dtype: each column written once
-        into the one buffer attention reads (dequantized groups, window, chunk), no concatenation of pieces."""
+        into the one buffer attention reads (dequantized groups, window, chunk), no concatenation of pieces.
+        `scratch` ("k", "v", "x": [B, H, >= end + c, d]) holds those buffers (the result is a view of it)."""
         t = self.tensors
         if not self.quant.quantized:  # loop 1 of the cross-loop cache
             return (torch.cat([t["k"][:, :, :end], k.to(self.dtype)], dim=2),
@@ -183,10 +186,13 @@ class _Entry:
         b, h, _, d = t["kw"].shape
         out = []
         for name, per_channel, new in (("k", True, k), ("v", False, v)):
-            full = torch.empty(b, h, end + new.shape[2], d, dtype=self.dtype, device=new.device)
+            if scratch is None:
+                full, work = torch.empty(b, h, end + new.shape[2], d, dtype=self.dtype, device=new.device), None
+            else:
+                full, work = scratch[name][:, :, : end + new.shape[2]], scratch["x"][:, :, :q]
             groups = q // g if per_channel else q
             dequantize(t[name + "c"][:, :, :q], _cut(t, name + "s", groups), _cut(t, name + "z", groups), dt, g,
-                       per_channel, self.dtype, out=full[:, :, :q])
+                       per_channel, self.dtype, out=full[:, :, :q], work=work)
             if base is not None:  # a later loop's delta: add loop 1's entries
                 full[:, :, :q] += base.tensors[name][:, :, :q]
             full[:, :, q:end] = t[name + "w"][:, :, : end - q]
@@ -240,6 +246,7 @@ class QuantizedStore:
         self.offset = 0  # a prefill view's first column (its `length` counts from there)
         self.length = 0
         self.token = None
+        self.scratch: dict[str, Tensor] = {}
 
     @classmethod
     def view_of(cls, other: "QuantizedStore", rows: slice, start: int) -> "QuantizedStore":
@@ -247,8 +254,19 @@ class QuantizedStore:
         store = cls.__new__(cls)
         store.layout, store.capacity = other.layout, other.capacity
         store.entries = {key: e.rows(rows) for key, e in other.entries.items()}
-        store.offset, store.length, store.token = start, 0, None
+        store.offset, store.length, store.token, store.scratch = start, 0, None, {}
         return store
+
+    def _scratch(self, like: Tensor) -> dict[str, Tensor]:
+        """Where one attention call's dequantized K and V are built ([B, H, capacity, d] each, and the values'
+        cast codes), reused by every call: the same memory a call would allocate, and it is not cache (nbytes
+        leaves it out, as it leaves out attention's activations); allocating it afresh at each call costs a
+        page fault per page touched, more than the dequantization itself on a CPU."""
+        if not self.scratch:
+            b, h, _, d = like.shape
+            self.scratch = {name: torch.empty(b, h, self.capacity, d, dtype=like.dtype, device=like.device)
+                            for name in ("k", "v", "x")}
+        return self.scratch
 
     def _base(self, key: Hashable) -> "_Entry | None":
         return self.entries[(key[0], 0)] if self.layout.cross_loop and key[1] > 0 else None
@@ -258,7 +276,9 @@ class QuantizedStore:
         end = self.offset + past
         if end + k.shape[2] > self.capacity:
             raise RuntimeError(f"KV cache full: {end + k.shape[2]} > capacity {self.capacity}")
-        keys, values = self.entries[key].read_with(end, self._base(key), k, v)
+        entry = self.entries[key]
+        scratch = self._scratch(entry.tensors["kw"]) if entry.quant.quantized else None
+        keys, values = entry.read_with(end, self._base(key), k, v, scratch)
         if self.offset:  # a prefill view reads its own columns only
             keys, values = keys[:, :, self.offset :], values[:, :, self.offset :]
         return chunk_attention(q, keys, values, mask)
