@@ -400,3 +400,21 @@ def test_store_read_is_dequantized_groups_window_and_chunk(dtype, fmt):
                                                    fmt, g, False, dtype))
     assert torch.equal(got_k[:, :, q:150], k[:, :, q:]) and torch.equal(got_v[:, :, q:150], v[:, :, q:])
     assert torch.equal(got_k[:, :, 150:], kn) and torch.equal(got_v[:, :, 150:], vn)
+
+
+def test_attention_reads_through_a_reused_scratch_that_is_not_cache():
+    """Successive attention calls (other keys, other lengths) build K/V in one reused scratch: each call sees exactly
+    what a fresh read gives, and the store's bytes stay the formula's (the scratch is not cache)."""
+    from melt_eval.modeling.kv_cache import chunk_attention
+    from melt_eval.modeling.kv_quant import QuantizedStore
+
+    layout = compressed_layout(cache_layout("melt", loops=2, layers=2, kv_heads=2, head_dim=64), "int8")
+    store = QuantizedStore(layout, [0, 1], batch=2, kv_heads=2, capacity=200, head_dim=64, dtype=torch.float32,
+                           device="cpu")
+    store.commit({key: (_x(2, 2, 150, 64, seed=key), _x(2, 2, 150, 64, seed=key + 7)) for key in (0, 1)}, 150)
+    for key, c, seed in ((0, 1, 1), (1, 3, 2), (0, 2, 3)):
+        q, k, v = (_x(2, 2, c, 64, seed=seed + s) for s in (10, 20, 30))
+        fresh_k, fresh_v = store.entries[key].read_with(150, None, k, v)
+        want = chunk_attention(q, fresh_k, fresh_v)
+        assert torch.equal(store.attend(key, q, k, v, 150), want)
+    assert store.scratch and store.nbytes == 2 * layout.nbytes(200, 0, bytes_per_value=4)  # 2 rows
