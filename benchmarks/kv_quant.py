@@ -1,6 +1,6 @@
 """Native-engine decode speed and cache bytes with quantized KV caches, against the model's own dtype, one run.
 
-    python benchmarks/kv_quant.py [--contexts 256,1024] [--new 64] [--batch 4] [--repeats 3] [--json]
+    python benchmarks/kv_quant.py [--contexts 256,1024] [--new 64] [--batch 4] [--repeats 3] [--threads 1] [--json]
 
 The tiny preset (tiny-random-ouro's dimensions: 2 layers, hidden 128, 2 heads of 64, T = 4) in float32 on
 the CPU (bfloat16 with --dtype). For Ouro and MELT and each context, every cache format (auto, fp8, int8,
@@ -8,7 +8,8 @@ int4, and Ouro's cross-loop deltas) prefills the same random prompt in one chunk
 tokens greedily for `--batch` rows; the formats run interleaved, `--repeats` times, and each keeps its
 best decode rate (a shared machine's noise only slows a run down). tokens_per_s counts decode steps only;
 cache_bytes is what the engine allocated (Tensor.nbytes), analytic_bytes cache_layout's formula for it.
-Report the ratios: absolute speed depends on the machine.
+Report the ratios: absolute speed depends on the machine. `--threads` is torch's thread count (default 1: on a
+shared machine a second OpenMP thread that loses its core stalls every operation, and the ratios with it).
 """
 
 from __future__ import annotations
@@ -44,8 +45,11 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (0: torch's default)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
     torch.manual_seed(0)
     ouro = make_tiny_looplm(build_tokenizer()).eval()

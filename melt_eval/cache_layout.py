@@ -34,13 +34,15 @@ PREFILL_CHUNK_KEY = "melt_eval_prefill_chunk"
 
 # Quantized caches (docs/method.md#quantized-caches): KIVI's scheme (Liu et al., 2024). Keys are quantized per
 # channel over groups of KV_GROUP tokens, values per token over groups of KV_GROUP channels, each group with a
-# scale and a minimum in the model's dtype; fp8 (e4m3) casts each value, no scales. The last KV_RESIDUAL
+# scale and a minimum in KV_SCALE_BYTES (16-bit: the model's dtype when it is 16-bit, else bfloat16, so a float32
+# model's int4 cache is not half scales); fp8 (e4m3) casts each value, no scales. The last KV_RESIDUAL
 # committed tokens stay in full precision (a window of up to KV_RESIDUAL + KV_GROUP - 1 tokens: a key group is
 # quantized once all its KV_GROUP tokens are older than the window). "auto": the model's dtype, unquantized.
 KV_CACHE_DTYPES = ("auto", "fp8", "int8", "int4")
 KV_BITS = {"fp8": 8, "int8": 8, "int4": 4}
 KV_GROUP = 32
 KV_RESIDUAL = 32
+KV_SCALE_BYTES = 2
 CROSS_LOOP = "cross-loop"  # Ouro's training-free cross-loop cache (FlashLoop-style): loop 1 full, later loops int4 deltas
 
 
@@ -83,10 +85,11 @@ class KVQuant:
         return 0 if self.dtype == "fp8" else 2 * head_dim // self.group
 
     def bytes_per_token(self, head_dim: int, kv_heads: int, bytes_per_value: int = BF16_BYTES) -> int:
-        """K and V bytes of one quantized token on one key (the asymptotic per-token cost)."""
+        """K and V bytes of one quantized token on one key (the asymptotic per-token cost); `bytes_per_value`
+        (the model's dtype) prices unquantized entries, the scales are KV_SCALE_BYTES whatever the model's."""
         if not self.quantized:
             return 2 * kv_heads * head_dim * bytes_per_value
-        return 2 * kv_heads * (self.code_bytes(head_dim) + self.scale_values(head_dim) * bytes_per_value)
+        return 2 * kv_heads * (self.code_bytes(head_dim) + self.scale_values(head_dim) * KV_SCALE_BYTES)
 
     def bytes_for(self, tokens: int, head_dim: int, kv_heads: int, bytes_per_value: int = BF16_BYTES) -> int:
         """K and V bytes allocated for a capacity of `tokens` on one key: quantized groups plus the window."""

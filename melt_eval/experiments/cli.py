@@ -25,7 +25,7 @@ def console(width: int | None = None) -> Console:
 def register(app: typer.Typer) -> None:
     @app.command()
     def ablate(
-        ablation: str = typer.Argument(..., help="gates | components | kv-sharing | exit | kv-compression (the last two beyond the paper: exit sweeps --exit gate:Q and agree:K on the preset's Ouro and MELT, or --base; kv-compression runs Ouro and MELT with fp8/int8/int4 caches and Ouro's cross-loop int4 deltas; native backend)"),
+        ablation: str = typer.Argument(..., help="gates | components | kv-sharing | exit | kv-compression (the last two beyond the paper: exit sweeps --exit gate:Q and agree:K on the preset's Ouro and MELT, or --base; kv-compression runs Ouro and MELT with fp8/int8/int4 caches, Ouro's cross-loop int4 deltas and GQA-MELT (trained with kv_heads: 4, tiny 1); native backend)"),
         preset: Preset = typer.Option("paper", "--preset",
                                       help="paper (Ouro-1.4B, paper recipes) | tiny (CPU-sized recipes)."),
         base: Optional[str] = typer.Option(None, "--base", help="Base LoopLM (default: the preset's)."),

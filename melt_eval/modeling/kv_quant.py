@@ -30,12 +30,18 @@ from typing import Hashable
 
 import torch
 
-from melt_eval.cache_layout import KV_BITS, CacheLayout, KVQuant
+from melt_eval.cache_layout import KV_BITS, KV_SCALE_BYTES, CacheLayout, KVQuant
 from melt_eval.modeling.kv_cache import chunk_attention
 
 Tensor = torch.Tensor
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
+
+
+def scale_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Scales and minima are KV_SCALE_BYTES wide (cache_layout counts them so): the model's dtype if 16-bit, else
+    bfloat16 (float32's range: a key's outlier channel cannot overflow it)."""
+    return dtype if dtype.itemsize == KV_SCALE_BYTES else torch.bfloat16
 
 
 def _pack4(codes: Tensor) -> Tensor:
@@ -47,10 +53,18 @@ def _unpack4(packed: Tensor) -> Tensor:
     return torch.stack((packed & 15, packed >> 4), dim=-1).flatten(-2)
 
 
+def _round(x: Tensor, dtype: torch.dtype, direction: int) -> Tensor:
+    """float32 x -> the nearest `dtype` value not below it (direction 1) or not above it (-1), as float32."""
+    y = x.to(dtype)
+    off = y.float() < x if direction > 0 else y.float() > x
+    return torch.where(off, torch.nextafter(y, torch.full_like(y, direction * float("inf"))), y).float()
+
+
 def quantize(x: Tensor, dtype: str, group: int, per_channel: bool, out_dtype: torch.dtype):
     """x [B, H, n, d] -> (codes, scale, minimum): per_channel (keys) groups `group` tokens of a channel
     (n a multiple of group; scales [B, H, n / group, d]); else (values) `group` channels of a token (scales
-    [B, H, n, d / group]). Scales and minima are in `out_dtype`; fp8 returns (codes, None, None)."""
+    [B, H, n, d / group]). Scales and minima are in `out_dtype` (the store's `scale_dtype`); fp8 returns
+    (codes, None, None)."""
     if dtype == "fp8":
         return x.clamp(-FP8_MAX, FP8_MAX).to(FP8), None, None
     b, h, n, d = x.shape
@@ -60,9 +74,9 @@ def quantize(x: Tensor, dtype: str, group: int, per_channel: bool, out_dtype: to
     lo, hi = grouped.amin(axis, keepdim=True), grouped.amax(axis, keepdim=True)
     levels = 2 ** KV_BITS[dtype] - 1
     # the stored (rounded) scale and minimum are the ones quantized against, so dequantizing is exact up to
-    # half a step
-    lo = lo.to(out_dtype).float()
-    scale = ((hi - lo) / levels).to(out_dtype).float()
+    # half a step; both rounded outwards (minimum down, scale up) so every value's code lies in [0, levels]
+    lo = _round(lo, out_dtype, -1)
+    scale = _round((hi - lo) / levels, out_dtype, 1)
     safe = torch.where(scale > 0, scale, torch.ones_like(scale))
     codes = ((grouped - lo) / safe).round_().clamp_(0, levels).to(torch.uint8).view(b, h, n, d)
     if dtype == "int4":
@@ -70,19 +84,55 @@ def quantize(x: Tensor, dtype: str, group: int, per_channel: bool, out_dtype: to
     return codes, scale.squeeze(axis).to(out_dtype), lo.squeeze(axis).to(out_dtype)
 
 
-def dequantize(codes: Tensor, scale: Tensor | None, lo: Tensor | None, dtype: str, group: int, per_channel: bool,
-               out_dtype: torch.dtype) -> Tensor:
-    """The inverse of `quantize`: [B, H, n, d] in `out_dtype`."""
-    if dtype == "fp8":
-        return codes.to(out_dtype)
-    if dtype == "int4":
-        codes = _unpack4(codes)
-    b, h, n, d = codes.shape
-    if per_channel:
-        x = torch.addcmul(lo[:, :, :, None], codes.view(b, h, n // group, group, d).to(out_dtype), scale[:, :, :, None])
+def fp8_to(codes: Tensor, out_dtype: torch.dtype, out: Tensor | None = None) -> Tensor:
+    """e4m3 codes -> `out_dtype`, exactly `codes.to(out_dtype)` but through integer operations (the CPU's fp8 cast
+    runs one element at a time): the byte's exponent and mantissa bits shifted into a float32's (exponent 0 is the
+    float32 denormal with the same mantissa), scaled by 2^(127 - 7) to e4m3's bias. Codes are clamped to +-448,
+    so no NaN is stored."""
+    b = codes.view(torch.uint8).to(torch.int32)
+    bits = ((b & 0x80) << 24) | ((b & 0x7F) << 20)
+    if out is None:
+        return (bits.view(torch.float32) * 2.0**120).to(out_dtype)
+    return torch.mul(bits.view(torch.float32), 2.0**120, out=out)
+
+
+def _cast_codes(codes: Tensor, dtype: str, out: Tensor) -> None:
+    """Integer codes [B, H, n, d] (int4: packed [B, H, n, d / 2]) as floats into `out` [B, H, n, d]."""
+    if dtype == "int4":  # low nibble -> even channel, high -> odd
+        pairs = out.unflatten(-1, (-1, 2))
+        torch.bitwise_and(codes, 15, out=pairs[..., 0])
+        torch.bitwise_right_shift(codes, 4, out=pairs[..., 1])
     else:
-        x = torch.addcmul(lo[..., None], codes.view(b, h, n, d // group, group).to(out_dtype), scale[..., None])
-    return x.view(b, h, n, d)
+        out.copy_(codes)
+
+
+def dequantize(codes: Tensor, scale: Tensor | None, lo: Tensor | None, dtype: str, group: int, per_channel: bool,
+               out_dtype: torch.dtype, out: Tensor | None = None, work: Tensor | None = None) -> Tensor:
+    """The inverse of `quantize`: [B, H, n, d] in `out_dtype`, written into `out` ([B, H, n, d], e.g. the leading
+    columns of the buffer attention reads) when given (`work`, [B, H, n, d] in `out_dtype`: room for the values'
+    cast codes). Whole tensors at a time (a cast, then one fused
+    multiply-add over [.., G] views): no per-group work, and no temporary for the keys."""
+    b, h, n = codes.shape[:3]
+    d = codes.shape[3] * (2 if dtype == "int4" else 1)
+    if out is None:
+        out = torch.empty(b, h, n, d, dtype=out_dtype, device=codes.device)
+    if dtype == "fp8":
+        return fp8_to(codes, out_dtype, out=out)
+    scale, lo = scale.to(out_dtype), lo.to(out_dtype)  # [.., n / G or d / G]: 1/G of the codes, cheap to widen
+    if per_channel:  # keys: [B, H, n / G, G, d], a scale per (token group, channel); in place, out = lo + out * scale
+        _cast_codes(codes, dtype, out)
+        grouped = out.view(b, h, n // group, group, d)
+        torch.addcmul(lo[:, :, :, None], grouped, scale[:, :, :, None], out=grouped)
+    else:  # values: [B, H, n, d / G, G], a scale per (token, channel group)
+        x = torch.empty(b, h, n, d, dtype=out_dtype, device=codes.device) if work is None else work
+        _cast_codes(codes, dtype, x)
+        # the minima first, then one in-place addcmul (the same fused multiply-add as `addcmul(lo, x, scale)`):
+        # with both scale and minimum broadcast along the innermost dim addcmul runs scalar code, with one it
+        # stays vectorized
+        grouped = out.view(b, h, n, d // group, group)
+        grouped.copy_(lo[..., None].expand_as(grouped))
+        grouped.addcmul_(x.view(b, h, n, d // group, group), scale[..., None])
+    return out
 
 
 class _Entry:
@@ -102,10 +152,11 @@ class _Entry:
              "kw": torch.zeros(batch, kv_heads, quant.window_for(capacity), head_dim, dtype=dtype, device=device),
              "vw": torch.zeros(batch, kv_heads, quant.window_for(capacity), head_dim, dtype=dtype, device=device)}
         if quant.dtype != "fp8":
+            sd = scale_dtype(dtype)
             for name in ("ks", "kz"):  # keys: per channel, one per group of g tokens
-                t[name] = torch.zeros(batch, kv_heads, q // g, head_dim, dtype=dtype, device=device)
+                t[name] = torch.zeros(batch, kv_heads, q // g, head_dim, dtype=sd, device=device)
             for name in ("vs", "vz"):  # values: per token, one per group of g channels
-                t[name] = torch.zeros(batch, kv_heads, q, head_dim // g, dtype=dtype, device=device)
+                t[name] = torch.zeros(batch, kv_heads, q, head_dim // g, dtype=sd, device=device)
         self.tensors = t
 
     def rows(self, rows: slice) -> "_Entry":
@@ -116,22 +167,38 @@ class _Entry:
 
     def read(self, end: int, base: "_Entry | None") -> tuple[Tensor, Tensor]:
         """K and V of absolute columns [0, end) in the model's dtype (`base`: loop 1's entry a delta adds to)."""
-        ks, vs = self.parts(end, base)
-        return torch.cat(ks, dim=2), torch.cat(vs, dim=2)
-
-    def parts(self, end: int, base: "_Entry | None") -> tuple[list[Tensor], list[Tensor]]:
-        """`read`'s pieces (dequantized groups, window) uncatenated: attention joins them with the chunk in one cat."""
         t = self.tensors
         if not self.quant.quantized:
-            return [t["k"][:, :, :end]], [t["v"][:, :, :end]]
+            return t["k"][:, :, :end], t["v"][:, :, :end]
+        empty = t["kw"][:, :, :0]
+        return self.read_with(end, base, empty, empty)
+
+    def read_with(self, end: int, base: "_Entry | None", k: Tensor, v: Tensor,
+                  scratch: "dict[str, Tensor] | None" = None) -> tuple[Tensor, Tensor]:
+        """[columns [0, end), then a chunk's own k, v [B, H, c, d]] in the model's dtype: each column written once
+        into the one buffer attention reads (dequantized groups, window, chunk), no concatenation of pieces.
+        `scratch` ("k", "v", "x": [B, H, >= end + c, d]) holds those buffers (the result is a view of it)."""
+        t = self.tensors
+        if not self.quant.quantized:  # loop 1 of the cross-loop cache
+            return (torch.cat([t["k"][:, :, :end], k.to(self.dtype)], dim=2),
+                    torch.cat([t["v"][:, :, :end], v.to(self.dtype)], dim=2))
         q, g, dt = self.quant.quantized_tokens(end), self.quant.group, self.quant.dtype
-        k = dequantize(t["kc"][:, :, :q], _cut(t, "ks", q // g),
-                       _cut(t, "kz", q // g), dt, g, True, self.dtype)
-        v = dequantize(t["vc"][:, :, :q], _cut(t, "vs", q), _cut(t, "vz", q), dt, g, False, self.dtype)
-        if base is not None:
-            bk, bv = base.read(q, None)
-            k, v = k + bk, v + bv
-        return [k, t["kw"][:, :, : end - q]], [v, t["vw"][:, :, : end - q]]
+        b, h, _, d = t["kw"].shape
+        out = []
+        for name, per_channel, new in (("k", True, k), ("v", False, v)):
+            if scratch is None:
+                full, work = torch.empty(b, h, end + new.shape[2], d, dtype=self.dtype, device=new.device), None
+            else:
+                full, work = scratch[name][:, :, : end + new.shape[2]], scratch["x"][:, :, :q]
+            groups = q // g if per_channel else q
+            dequantize(t[name + "c"][:, :, :q], _cut(t, name + "s", groups), _cut(t, name + "z", groups), dt, g,
+                       per_channel, self.dtype, out=full[:, :, :q], work=work)
+            if base is not None:  # a later loop's delta: add loop 1's entries
+                full[:, :, :q] += base.tensors[name][:, :, :q]
+            full[:, :, q:end] = t[name + "w"][:, :, : end - q]
+            full[:, :, end:] = new
+            out.append(full)
+        return out[0], out[1]
 
     def append(self, start: int, k: Tensor, v: Tensor, base: "_Entry | None") -> None:
         """Commit the entries of absolute columns [start, start + c); quantize the groups that leave the window."""
@@ -149,8 +216,8 @@ class _Entry:
             if base is not None:  # the cross-loop cache stores the difference from loop 1
                 bk, bv = base.tensors["k"][:, :, q0:q1], base.tensors["v"][:, :, q0:q1]
                 kq, vq = kq - bk, vq - bv
-            kc, ks, kz = quantize(kq, self.quant.dtype, g, True, self.dtype)
-            vc, vs, vz = quantize(vq, self.quant.dtype, g, False, self.dtype)
+            kc, ks, kz = quantize(kq, self.quant.dtype, g, True, scale_dtype(self.dtype))
+            vc, vs, vz = quantize(vq, self.quant.dtype, g, False, scale_dtype(self.dtype))
             t["kc"][:, :, q0:q1], t["vc"][:, :, q0:q1] = kc, vc
             if ks is not None:
                 t["ks"][:, :, q0 // g : q1 // g], t["kz"][:, :, q0 // g : q1 // g] = ks, kz
@@ -179,6 +246,7 @@ class QuantizedStore:
         self.offset = 0  # a prefill view's first column (its `length` counts from there)
         self.length = 0
         self.token = None
+        self.scratch: dict[str, Tensor] = {}
 
     @classmethod
     def view_of(cls, other: "QuantizedStore", rows: slice, start: int) -> "QuantizedStore":
@@ -186,8 +254,19 @@ class QuantizedStore:
         store = cls.__new__(cls)
         store.layout, store.capacity = other.layout, other.capacity
         store.entries = {key: e.rows(rows) for key, e in other.entries.items()}
-        store.offset, store.length, store.token = start, 0, None
+        store.offset, store.length, store.token, store.scratch = start, 0, None, {}
         return store
+
+    def _scratch(self, like: Tensor) -> dict[str, Tensor]:
+        """Where one attention call's dequantized K and V are built ([B, H, capacity, d] each, and the values'
+        cast codes), reused by every call: the same memory a call would allocate, and it is not cache (nbytes
+        leaves it out, as it leaves out attention's activations); allocating it afresh at each call costs a
+        page fault per page touched, more than the dequantization itself on a CPU."""
+        if not self.scratch:
+            b, h, _, d = like.shape
+            self.scratch = {name: torch.empty(b, h, self.capacity, d, dtype=like.dtype, device=like.device)
+                            for name in ("k", "v", "x")}
+        return self.scratch
 
     def _base(self, key: Hashable) -> "_Entry | None":
         return self.entries[(key[0], 0)] if self.layout.cross_loop and key[1] > 0 else None
@@ -197,8 +276,9 @@ class QuantizedStore:
         end = self.offset + past
         if end + k.shape[2] > self.capacity:
             raise RuntimeError(f"KV cache full: {end + k.shape[2]} > capacity {self.capacity}")
-        pk, pv = self.entries[key].parts(end, self._base(key))
-        keys, values = torch.cat([*pk, k.to(pk[0].dtype)], dim=2), torch.cat([*pv, v.to(pv[0].dtype)], dim=2)
+        entry = self.entries[key]
+        scratch = self._scratch(entry.tensors["kw"]) if entry.quant.quantized else None
+        keys, values = entry.read_with(end, self._base(key), k, v, scratch)
         if self.offset:  # a prefill view reads its own columns only
             keys, values = keys[:, :, self.offset :], values[:, :, self.offset :]
         return chunk_attention(q, keys, values, mask)

@@ -55,10 +55,22 @@ class Variant:
             return [(1, self.recipe if base == "paper" else f"{base}-{self.recipe}", dict(self.phase1 or {}))]
         if self.phase1 is None:
             return []
-        steps = [(1, f"{base}-phase1", dict(self.phase1))]
+
+        def resolved(overrides: dict) -> dict:  # a PerBase override takes the base's value
+            return {k: getattr(v, base) if isinstance(v, PerBase) else v for k, v in overrides.items()}
+
+        steps = [(1, f"{base}-phase1", resolved(self.phase1))]
         if self.phase2 is not None:
-            steps.append((2, f"{base}-phase2", dict(self.phase2)))
+            steps.append((2, f"{base}-phase2", resolved(self.phase2)))
         return steps
+
+
+@dataclass(frozen=True)
+class PerBase:
+    """A training override that depends on the model's size (a head count): its value on the paper's recipes
+    and on the tiny ones."""
+    paper: object
+    tiny: object
 
 
 @dataclass(frozen=True)
@@ -120,6 +132,9 @@ KV_COMPRESSION = Ablation("kv-compression", "", "Beyond the paper: compressed KV
     Variant("kv-compression", "melt-fp8", "", "MELT, fp8 cache", eval_options={"kv_cache_dtype": "fp8"}, **_MELT),
     Variant("kv-compression", "melt-int8", "", "MELT, int8 cache", eval_options={"kv_cache_dtype": "int8"}, **_MELT),
     Variant("kv-compression", "melt-int4", "", "MELT, int4 cache", eval_options={"kv_cache_dtype": "int4"}, **_MELT),
+    # grouped-query MELT (the paper's future work): K/V heads mean-pooled into groups when converting, then both
+    # phases as usual; Ouro-1.4B's 16 heads into 4, the tiny models' 2 into 1
+    Variant("kv-compression", "melt-gqa", "", "GQA-MELT", phase1={"kv_heads": PerBase(paper=4, tiny=1)}, phase2={}),
 ))
 
 # Run order of `ablate` and the demo (the paper's table order differs for the gates).
