@@ -1,4 +1,4 @@
-"""Deterministic synthetic reasoning tasks, in five forms; every answer is written as \\boxed{...}.
+"""Deterministic synthetic reasoning tasks, in seven forms; every answer is written as \\boxed{...}.
 
 form "digit-sum" (`make_digit_sum_problem`), the demo's task: a chain of one-token digits 1..9, the
 same constant added at each step and the digit sum kept, worked one numbered step per line. The reply
@@ -7,6 +7,10 @@ cache as the paper's long reasoning does, and each step computes on the previous
 
     problem:  y = 7. 6 step y + 4 sum.
     solution: 1: y = 7 + 4 = 2. 2: y = 2 + 4 = 6. ... 6: y = 9 + 4 = 4. The answer is \\boxed{4}.
+
+forms "digit-sum2" and "digit-sum3": the same chains adding two or three constants a step
+(`1: y = 7 + 6 + 4 = 8.`), so each step is a sum of three or four digits (issue 39; screened in
+docs/results/2026-11-26-demo-task-choice.md, "Second screen").
 
 form "variables" (`make_problem`, the default of `make_split`): a chain of assignments and a question
 about the last one, answered with the boxed answer alone:
@@ -93,33 +97,50 @@ DIGIT_SUM_NAMES = "xyzabc"  # names only vary the text, so the problem space is 
 
 
 def digit_sum(a: int, b: int) -> int:
-    """The digit sum of a + b for digits 1..9 (a sum of at most 17): one digit 1..9."""
+    """The digit sum of a + b for a digit a in 1..9 and b >= 1: one digit 1..9."""
     return (a + b - 1) % 9 + 1
 
 
-def make_digit_sum_problem(rng: random.Random, num_steps: int = 5, max_value: int = 8) -> dict:
-    """One digit-sum chain: a start in 1..9, then `num_steps` times adding the same constant in
-    1..min(max_value, 8) and keeping the digit sum (the sum modulo 9, 9 for 0), so every value is one
-    digit 1..9, each one token of the tiny tokenizer (` 0` is two), and every step has the same length:
+def make_digit_sum_problem(rng: random.Random, num_steps: int = 5, max_value: int = 8, constants: int = 1) -> dict:
+    """One digit-sum chain: a start in 1..9, then `num_steps` times adding the same `constants` constants,
+    each in 1..min(max_value, 8), and keeping the digit sum (the sum modulo 9, 9 for 0), so every value is
+    one digit 1..9, each one token of the tiny tokenizer (` 0` is two), and every step has the same length:
 
         problem:  y = 2. 6 step y + 8 sum.
         solution: 1: y = 2 + 8 = 1. 2: y = 1 + 8 = 9. ... The answer is \\boxed{6}.
 
-    One operator over 1..9 leaves 72 distinct sums to learn (form "digits" has 180, a tenth with ` 0`)."""
-    name, start, step = rng.choice(DIGIT_SUM_NAMES), rng.randint(1, 9), rng.randint(1, min(max_value, 8))
+    One operator over 1..9 leaves 72 distinct sums to learn (form "digits" has 180, a tenth with ` 0`).
+    With two or three constants (forms "digit-sum2", "digit-sum3", issue 39) a step adds them all at once,
+    `1: y = 2 + 8 + 4 + 5 = 1.`: two or three additions in sequence at one position, more than one loop of
+    the tiny model's two layers does one after another. Constants summing to a multiple of 9 would leave
+    the value unchanged (the answer the start), so they are not drawn."""
+    name, start = rng.choice(DIGIT_SUM_NAMES), rng.randint(1, 9)
+    while True:
+        steps = [rng.randint(1, min(max_value, 8)) for _ in range(constants)]
+        if sum(steps) % 9:
+            break
+    added = "".join(f" + {c}" for c in steps)
     value, worked = start, []
     for i in range(1, num_steps + 1):
-        new = digit_sum(value, step)
-        worked.append(f"{i}: {name} = {value} + {step} = {new}.")
+        new = digit_sum(value, sum(steps))
+        worked.append(f"{i}: {name} = {value}{added} = {new}.")
         value = new
-    problem = f"{name} = {start}. {num_steps} step {name} + {step} sum."  # short, so the reply dominates
+    problem = f"{name} = {start}. {num_steps} step {name}{added} sum."  # short, so the reply dominates
     solution = " ".join(worked) + f" The answer is \\boxed{{{value}}}."
     return {"problem": problem, "answer": str(value), "solution": solution}
 
 
+def _make_digit_sum2_problem(rng: random.Random, num_steps: int = 5, max_value: int = 8) -> dict:
+    return make_digit_sum_problem(rng, num_steps, max_value, constants=2)
+
+
+def _make_digit_sum3_problem(rng: random.Random, num_steps: int = 5, max_value: int = 8) -> dict:
+    return make_digit_sum_problem(rng, num_steps, max_value, constants=3)
+
+
 # A digit-sum reply read back, in the generator's own words (the f-strings above).
-_DIGIT_SUM_PROBLEM = re.compile(r"(\w) = (\d+)\. (\d+) step \w \+ (\d+) sum\.")
-_DIGIT_SUM_STEP = re.compile(r"\s*(\d+): (\w) = (\d+) \+ (\d+) = (\d+)\.")
+_DIGIT_SUM_PROBLEM = re.compile(r"(\w) = (\d+)\. (\d+) step \w((?: \+ \d+)+) sum\.")
+_DIGIT_SUM_STEP = re.compile(r"\s*(\d+): (\w) = (\d+)((?: \+ \d+)+) = (\d+)\.")
 _DIGIT_SUM_ANSWER = re.compile(r"\s*The answer is \\boxed\{([^{}]*)\}")
 
 # The kinds of `first_mistake`, in the order a reply can make them.
@@ -133,6 +154,10 @@ MISTAKES = {
 }
 
 
+def _added(text: str) -> list[int]:
+    return [int(c) for c in text.split(" + ")[1:]]  # " + 4 + 5" -> [4, 5]
+
+
 def first_mistake(item: dict, reply: str) -> tuple[int, str] | None:
     """Where a digit-sum reply first departs from the worked solution: (step, kind), step counted from 1
     (the boxed answer is step num_steps + 1), kind one of `MISTAKES`; None if every step and the answer
@@ -141,7 +166,7 @@ def first_mistake(item: dict, reply: str) -> tuple[int, str] | None:
     problem = _DIGIT_SUM_PROBLEM.fullmatch(item["problem"])
     if problem is None:
         raise ValueError(f"not a digit-sum problem: {item['problem']!r}")
-    name, value, num_steps, step = problem[1], int(problem[2]), int(problem[3]), int(problem[4])
+    name, value, num_steps, step = problem[1], int(problem[2]), int(problem[3]), _added(problem[4])
     pos, done = 0, 0
     while (m := _DIGIT_SUM_STEP.match(reply, pos)) is not None:
         i = done + 1
@@ -149,10 +174,10 @@ def first_mistake(item: dict, reply: str) -> tuple[int, str] | None:
             return i, "format"
         if i > num_steps:
             return i, "steps"
-        x, y, z = int(m[3]), int(m[4]), int(m[5])
+        x, y, z = int(m[3]), _added(m[4]), int(m[5])
         if m[2] != name or x != value or y != step:
             return i, "copy"
-        if z != digit_sum(x, y):
+        if z != digit_sum(x, sum(y)):
             return i, "sum"
         value, pos, done = z, m.end(), i
     answer = _DIGIT_SUM_ANSWER.match(reply, pos)
@@ -238,7 +263,8 @@ def lookup_tables(problem: str) -> dict[str, dict[int, int]]:
 
 
 FORMS = {"variables": (make_problem, len(VARIABLES) - 1), "digits": (make_digit_problem, 9),
-         "digit-sum": (make_digit_sum_problem, 9), "lookup": (make_lookup_problem, 9),
+         "digit-sum": (make_digit_sum_problem, 9),
+         "digit-sum2": (_make_digit_sum2_problem, 9), "digit-sum3": (_make_digit_sum3_problem, 9), "lookup": (make_lookup_problem, 9),
          "lookup2": (_make_lookup2_problem, 9)}
 
 

@@ -81,6 +81,42 @@ def test_digit_sum_chains_are_correct_one_token_per_value_and_their_reply_domina
         assert len(tok(item["solution"])["input_ids"]) >= 3 * len(prompt), item
 
 
+@pytest.mark.parametrize("form,constants", [("digit-sum2", 2), ("digit-sum3", 3)])
+def test_digit_sum_chains_with_several_constants_add_them_all_in_each_step(tok, form, constants):
+    """forms "digit-sum2"/"digit-sum3" (issue 39): each step adds two or three constants at once, every value
+    a one-token digit (each step 2 tokens longer per constant), the digit sum right, never a chain that stands
+    still (constants summing to a multiple of 9), the reply >= 3x its prompt, the splits disjoint, and the
+    mistake table reads their replies as it reads the one-constant chains'."""
+    kw = dict(seed=0, num_steps=(5, 7), form=form)
+    train, test = synthetic.make_split("train", 1000, **kw), synthetic.make_split("test", 100, **kw)
+    assert train == synthetic.make_split("train", 1000, **kw) and train != synthetic.make_split("train", 1000, **{**kw, "seed": 1})
+    assert not {x["problem"] for x in train} & {x["problem"] for x in test}
+    for item in train + test:
+        head, rule = item["problem"].rstrip(".").split(". ")  # "y = 7", "6 step y + 4 + 5 sum"
+        name, start = head.split(" = ")
+        count, _, name2, *added, _ = rule.split(" ")
+        consts = [int(c) for c in added if c != "+"]
+        assert name == name2 and len(consts) == constants and all(1 <= c <= 8 for c in consts) and sum(consts) % 9
+        value, steps = int(start), item["solution"].split(". ")
+        for i in range(1, int(count) + 1):
+            new = value + sum(consts)
+            while new > 9:  # the digit sum, worked out digit by digit
+                new = sum(int(d) for d in str(new))
+            assert steps[i - 1] == f"{i}: {name} = {value} + {' + '.join(map(str, consts))} = {new}", (item, i)
+            assert len(tok(steps[i - 1] + ".")["input_ids"]) == 10 + 2 * (constants - 1), steps[i - 1]
+            value = new
+        assert item["answer"] == str(value) and item["solution"].endswith(f"\\boxed{{{value}}}.")
+        prompt = tok.apply_chat_template(synthetic.to_messages(item, "solution")[:1], add_generation_prompt=True,
+                                         return_dict=True)["input_ids"]
+        assert len(tok(item["solution"])["input_ids"]) >= 3 * len(prompt), item
+        assert synthetic.first_mistake(item, item["solution"]) is None
+    right = "1: y = 7 + 6 + 4 = 8. 2: y = 8 + 6 + 4 = 9. The answer is \\boxed{9}."  # 17 -> 8, 18 -> 9
+    item = {"problem": "y = 7. 2 step y + 6 + 4 sum.", "answer": "9"}
+    assert synthetic.first_mistake(item, right) is None
+    assert synthetic.first_mistake(item, right.replace("= 9.", "= 1.")) == (2, "sum")
+    assert synthetic.first_mistake(item, right.replace("7 + 6 + 4", "7 + 6")) == (1, "copy")
+
+
 @pytest.mark.parametrize("form,max_value,num_steps", [("lookup", 9, (5, 7)), ("lookup", 7, (3, 5)), ("lookup2", 8, (4, 6))])
 def test_lookup_chains_are_correct_one_token_per_value_and_need_two_lookups_a_step(tok, form, max_value, num_steps):
     """forms "lookup" (y -> p(p(y))) and "lookup2" (y -> f(p(y))): the tables in the prompt are permutations of
