@@ -331,6 +331,8 @@ def test_beyond_the_paper_table_sits_beside_the_papers_tables(tmp_path):
     # issue 40's question at MELT's bytes: which of Ouro int4 and MELT wins, said under the table
     _results_json(tmp_path, "ablations/components/full", 0.85, 0.02, model="full", model_path="/ck/melt",
                   peak_cache_bytes=2**20, cache_rows=4, num_problems=8)
-    [note] = [n for n in next(t for t in build_tables(load_results(tmp_path)) if t.key == "beyond-the-paper").notes
-              if "Ouro with an int4 cache" in n]
+    table = next(t for t in build_tables(load_results(tmp_path)) if t.key == "beyond-the-paper")
+    rows = {r.stub[1]: r.cells for r in table.rows}
+    assert rows["MELT"][0].value == pytest.approx(85) and "MELT, int8 cache" not in rows  # MELT's, not borrowed
+    [note] = [n for n in table.notes if "Ouro with an int4 cache" in n]
     assert note == "synthetic: Ouro with an int4 cache (about MELT's bytes) 80.0 against MELT 85.0: MELT wins by 5.0 points."
