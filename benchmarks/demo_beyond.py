@@ -4,7 +4,7 @@ Each of the stage's rows on a checkpoint (`demo.BEYOND_EXIT`, and the `demo.BEYO
 and the checkpoint's full-depth evaluation (what the paper's rows are), all evaluated exactly as the demo does
 (`demo.eval_settings(FULL)`: 16 samples, temperature 1.0, top-p 0.7, the prompt whole) on the first
 `--problems` test problems, each into a fresh directory (nothing is read back), the variants interleaved
-`--repeats` times, one torch thread. The median wall time of each over the full-depth one is the figure: it
+`--repeats` times (each round starting at the next variant), one torch thread. The median wall time of each over the full-depth one is the figure: it
 says how many of the paper's evaluations the stage costs, without the machine's load in the ratio.
 
     python benchmarks/demo_beyond.py --model DEMO/runs/<teacher run> [--problems 20] [--repeats 2] [--json]
@@ -54,8 +54,10 @@ def measure(model: str, problems: int, repeats: int) -> dict:
     times: dict[str, list[float]] = {}
     extra: dict[str, dict] = {}
     with tempfile.TemporaryDirectory() as tmp:
+        rows = list(variants(model).items())
         for r in range(repeats):
-            for label, options in variants(model).items():
+            # each repeat starts at another variant: a load that rises or falls during a round hits none of them alone
+            for label, options in rows[r % len(rows):] + rows[:r % len(rows)]:
                 start = time.perf_counter()
                 [res] = run_tasks(demo.TASK, model, InferenceOptions.from_flags(**settings, **options),
                                   RunPaths(results_dir=Path(tmp) / f"{r}-{label}"), max_problems=problems, progress=False)
