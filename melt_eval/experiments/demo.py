@@ -86,16 +86,21 @@ def default_jobs() -> int:
     return max(1, min(cores, 4))
 
 
-def beyond_paper_plans(teacher_made_by: TrainRun, main: dict[str, str], melt_overrides: dict | None,
-                       seed: int = 0) -> list[ablations.VariantPlan]:
-    """The --beyond-paper stage's rows: each BEYOND_EXIT rule on each of `main`'s models ({name: checkpoint}),
-    results/ablations/exit/<name>/<rule>/ as `ablate exit` writes them, and the BEYOND_KV rows of `ablate
+def beyond_paper_plans(teacher_made_by: TrainRun, made_by: dict[str, TrainRun], runs: Path,
+                       melt_overrides: dict | None, seed: int = 0) -> list[ablations.VariantPlan]:
+    """The --beyond-paper stage's rows: each BEYOND_EXIT rule on each model of `made_by` ({name: the run that made
+    it}), results/ablations/exit/<name>/<rule>/ as `ablate exit` writes them (a row with training of its own, such
+    as a fitted gate, trains it from that model: run ids chain), and the BEYOND_KV rows of `ablate
     kv-compression`'s plan (their training is the paper's MELT run, already done: same run ids)."""
     from melt_eval.protocol import variants as definitions
 
-    exits = [ablations.VariantPlan(f"exit/{name}", row, base=model,
-                                   eval_options=dict(definitions.variant("exit", row).eval_options))
-             for name, model in main.items() for row in BEYOND_EXIT]
+    exits = []
+    for name, model in made_by.items():
+        for row in BEYOND_EXIT:
+            defined = definitions.variant("exit", row)
+            train = [TrainRun(phase, recipe, overrides, model) for phase, recipe, overrides in defined.training_steps("tiny")]
+            exits.append(ablations.VariantPlan(f"exit/{name}", row, train=train, base="" if train else str(runs / model.run_id),
+                                               eval_options=dict(defined.eval_options)))
     kv = {v.name: v for v in ablations.plan("kv-compression", "tiny", teacher_made_by, melt_overrides, seed=seed)}
     return exits + [kv[row] for row in BEYOND_KV]
 
@@ -155,7 +160,8 @@ def _run_demo(output: Path, quick: bool, progress: bool, seed: int, threads: int
     if beyond_paper:
         say("beyond the paper", f"[3/{steps}] beyond the paper, on the trained models: early exit ({', '.join(BEYOND_EXIT)}) "
             f"on the teacher and MELT, and compressed KV caches ({', '.join(BEYOND_KV)})")
-        beyond = beyond_paper_plans(teacher_made_by, main, melt_overrides, seed)
+        beyond = beyond_paper_plans(teacher_made_by, {"ouro-tiny": teacher_made_by, "melt-tiny": full.train[-1]}, runs,
+                                    melt_overrides, seed)
         _queue([run for v in beyond for run in v.train], ablations.variant_evaluations(beyond, runs, results), runs,
                results, jobs, progress, ev)
 
