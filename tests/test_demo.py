@@ -154,6 +154,65 @@ def test_results_made_with_other_settings_stop_the_demo_with_a_hint(quick_demo, 
     assert result_file.read_text() == before
 
 
+def test_beyond_paper_stage_adds_its_rows_to_a_finished_demo_once(quick_demo, monkeypatch):
+    """`demo --beyond-paper` on a finished demo: only the stage's rows are evaluated (nothing trained, the paper's
+    results untouched), each with its option; the report gains the exit figure and table and the compressed-cache
+    rows; demo.json records the stage's time and rows; a second run evaluates nothing."""
+    import melt_eval.generation.backends as backends
+    import melt_eval.training.runner as runner
+    from melt_eval.experiments import demo
+
+    monkeypatch.setattr(runner, "train", lambda *a, **k: pytest.fail("the trained models must be reused"))
+    results = quick_demo / "results"
+    before = {p: p.read_text() for p in results.rglob("results.json")}
+    args = ["demo", "--quick", "--beyond-paper", "--output", str(quick_demo), "--no-progress", "--jobs", "1"]
+    res = CliRunner().invoke(app, args)
+    assert res.exit_code == 0, res.output + repr(res.exception)
+    assert all(p.read_text() == text for p, text in before.items())  # the paper's rows were not evaluated again
+    exits = {f"exit/{m}/{row}": {"exit": row.replace("-", ":")} for m in ("ouro-tiny", "melt-tiny") for row in demo.BEYOND_EXIT}
+    kv = {f"kv-compression/{row}": {"kv_cache_dtype": row.split("-")[1]} for row in demo.BEYOND_KV}
+    added = {str(p.relative_to(results / "ablations").parent.parent) for p in set(results.rglob("results.json")) - set(before)}
+    assert added == set(exits) | set(kv)
+    teacher = json.loads((results / "ouro-tiny" / "synthetic" / "results.json").read_text())
+    for row, option in {**exits, **kv}.items():
+        r = json.loads((results / "ablations" / row / "synthetic" / "results.json").read_text())
+        assert r["finished"] and r["settings"]["samples"] == 16 and r["num_problems"] == demo.QUICK.problems
+        assert {k: r["settings"][k] for k in option} == option
+        model = "melt" if "melt" in row else "ouro"
+        assert r["model_path"] == json.loads((results / f"{model}-tiny" / "synthetic" / "results.json").read_text())["model_path"]
+        if "exit" in option:  # the loops each generated token ran, between 1 and T
+            assert 1 <= r["loops_per_token"]["mean"] <= 4
+    summary = json.loads((quick_demo / "demo.json").read_text())
+    assert summary["stages_s"]["beyond the paper"] > 0 and set(summary["teacher_pass@1_by_loops"]) == {"2", "4"}
+    assert summary["teacher_pass@1_by_loops"]["4"] == teacher["metrics"]["pass@1"]["value"]
+    rows = summary["beyond_paper"]["rows"]
+    assert set(rows) == {"ouro-tiny", "melt-tiny"} | set(exits) | set(kv)
+    # the cache each row measured: MELT's int4 cache at most MELT's own (--quick's replies are too short to leave
+    # KIVI's full-precision window), 1/T of Ouro's per-loop cache; issue 40's ratio read from the same figures
+    melt_int4, melt, ouro = (rows[k]["cache_bytes_per_sequence"] for k in ("kv-compression/melt-int4", "melt-tiny", "ouro-tiny"))
+    assert 0 < melt_int4 <= melt == ouro / 4
+    assert summary["beyond_paper"]["comparisons"]["melt-int4 bytes / ouro bytes"] == melt_int4 / ouro
+    report = (quick_demo / "report" / "report.md").read_text()
+    assert (quick_demo / "report" / "plots" / "exit.png").stat().st_size > 1000
+    assert (quick_demo / "report" / "plots" / "memory_frontier.png").stat().st_size > 1000
+    early = report.split("### Beyond the paper: early exit")[1].split("###")[0]
+    for model in ("ouro-tiny", "melt-tiny"):
+        for rule in ("all loops", *(option["exit"] for option in exits.values())):
+            assert f"| {model} | synthetic | {rule} |" in early, (model, rule)
+    kv_table = report.split("### Beyond the paper: compressed KV caches")[1].split("###")[0]
+    for label in ("MELT, int8 cache", "MELT, int4 cache", "Ouro, int4 cache"):
+        assert f"| {label} |" in kv_table, label
+    for label in ("Ouro, fp8 cache", "MELT, fp8 cache"):  # rows the demo does not run are left out, never borrowed
+        assert f"| {label} |" not in kv_table, label
+    assert "Ouro with an int4 cache (about MELT's bytes)" in kv_table
+
+    # a second run: nothing trained or generated, the stage's rows read back
+    monkeypatch.setattr(backends.NativeBackend, "generate", lambda *a, **k: pytest.fail("nothing left to generate"))
+    res = CliRunner().invoke(app, args)
+    assert res.exit_code == 0, res.output + repr(res.exception)
+    assert json.loads((quick_demo / "demo.json").read_text())["beyond_paper"]["rows"] == rows
+
+
 @pytest.mark.slow
 def test_full_demo_teacher_reaches_half_pass_at_1(tmp_path):
     """The full demo's teacher, trained by its recipe and evaluated as the demo evaluates it, answers at

@@ -302,6 +302,26 @@ def test_the_report_draws_accuracy_against_loops_spent(tmp_path):
     assert all(t.key != "exit" for t in bare["tables"])
 
 
+def test_a_compressed_cache_is_not_the_exit_lines_full_depth(tmp_path):
+    """The demo's layout: the teacher's exit rows beside its other evaluations (the sharing table's `ouro`, an
+    int4-cache row at T = 4, read first); the line is named by its exit folder and its star is the uncompressed run."""
+    import json
+
+    from melt_eval.report.results import exit_points, load_results
+
+    _exit_result(tmp_path, "ouro-tiny", "agree:1", 0.55, [0, 5, 5, 10])
+    for rel, pass1, extra in (("ablations/kv-sharing/ouro", 0.60, {}),
+                              ("ablations/kv-compression/ouro-int4", 0.20, {"kv_cache_dtype": "int4"})):
+        path = tmp_path / rel / "synthetic" / "results.json"
+        path.parent.mkdir(parents=True)
+        path.write_text(json.dumps({"model": rel.rsplit("/", 1)[1], "finished": True, "model_path": "/ckpt/ouro-tiny",
+                                    "settings": {"loops": 4, "kv_sharing": None, "samples": 2, **extra},
+                                    "metrics": {"pass@1": {"value": pass1, "stderr": 0.05}}}))
+    [(label, points)] = exit_points(load_results(tmp_path)).items()
+    assert label == ("ouro-tiny", "synthetic")
+    assert [(p.rule, p.result.metrics["pass@1"][0]) for p in points] == [("agree:1", 0.55), (None, 0.60)]
+
+
 @pytest.mark.parametrize("kind,kv_sharing,share_prompt", [
     ("ouro", None, False), ("ouro", "last", False), ("ouro", "first", True), ("melt", None, False)])
 def test_a_rows_exits_do_not_depend_on_its_batch(models, kind, kv_sharing, share_prompt):

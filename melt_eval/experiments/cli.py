@@ -101,6 +101,11 @@ def register(app: typer.Typer) -> None:
         compile: bool = typer.Option(False, "--compile", help="Train MELT with one torch.compile'd function per "
                                      "token (recipe compile: true): faster steps once compiled, but each run compiles "
                                      "first; floats differ from eager in the last bits. Default: off (eager)."),
+        beyond_paper: bool = typer.Option(False, "--beyond-paper", help="Also evaluate the trained teacher and MELT "
+                                          "beyond the paper, after its rows: early exit (--exit agree:1, agree:2, gate:0.5, "
+                                          "gate:0.9) and MELT int8/int4 and Ouro int4 KV caches; the report adds "
+                                          "plots/exit.png and the compressed-cache rows (plots/memory_frontier.png). "
+                                          "About 11 more evaluations, so off by default (docs/demo.md)."),
         progress: bool = typer.Option(True, "--progress/--no-progress", help="Show progress bars (on stderr)."),
     ) -> None:
         """A miniature reproduction on the CPU: teacher, MELT, every ablation, every table and figure, and
@@ -108,4 +113,4 @@ def register(app: typer.Typer) -> None:
         from melt_eval.experiments.demo import default_output, run_demo
 
         run_demo(output or default_output(quick, seed), quick=quick, progress=progress, seed=seed, jobs=jobs,
-                 compile=compile)
+                 compile=compile, beyond_paper=beyond_paper)

@@ -7,7 +7,9 @@
    temperature 1.0, top-p 0.7, pass@1 and pass@10) through LightEval, plus T = 1..4 at inference
    for the loops figure; an evaluation starts as soon as its model is trained, beside the runs still
    training (`ablations.train_and_evaluate`);
-4. the report: every table, the LaTeX and markdown, the figures; the paper's own tables beside.
+4. with --beyond-paper, evaluation-only rows beyond the paper on the trained teacher and MELT: early exit
+   (rows of `protocol.variants.EXIT`, by name) and compressed KV caches (rows of `KV_COMPRESSION`);
+5. the report: every table, the LaTeX and markdown, the figures; the paper's own tables beside.
 
 Everything is cached under OUTPUT: a second run skips finished training and evaluation and only
 re-renders; an interrupted one resumes.
@@ -43,6 +45,14 @@ FULL = DemoSize(pretrain={}, melt=None, problems=100, loops=(1, 2, 3, 4))
 QUICK = DemoSize(pretrain={"max_steps": 60, "batch_tokens": 2048, "micro_batch_size": 16, "save_every": 30},
                  melt={"max_steps": 3, "save_every": 3}, problems=8, loops=(2, 4), max_new_tokens=24)
 EVAL = dict(samples=16, temperature=1.0, top_p=0.7)
+# --beyond-paper: rows picked by name from protocol.variants' beyond-the-paper ablations, each evaluated on the
+# demo's trained models with the same problems and samples as the paper's rows. The exit rows run on the teacher
+# and on MELT (full depth is each model's main evaluation); "agree" needs no gate, "gate" uses each model's
+# own exit gate as it is (the teacher's and MELT's are not trained for it in the demo).
+BEYOND_EXIT = ("agree-1", "agree-2", "gate-0.5", "gate-0.9")
+# issue 40's demo aims: MELT int8 against MELT, Ouro int4 (MELT's bytes) against MELT, MELT int4 at 1/16 of Ouro;
+# the uncompressed rows are the paper's runs (KV_COMPRESSION's fallbacks), not evaluated again
+BEYOND_KV = ("melt-int8", "melt-int4", "ouro-int4")
 
 
 def eval_settings(size: DemoSize, seed: int = 0) -> dict:
@@ -76,18 +86,38 @@ def default_jobs() -> int:
     return max(1, min(cores, 4))
 
 
+def beyond_paper_plans(teacher_made_by: TrainRun, made_by: dict[str, TrainRun], runs: Path,
+                       melt_overrides: dict | None, seed: int = 0) -> list[ablations.VariantPlan]:
+    """The --beyond-paper stage's rows: each BEYOND_EXIT rule on each model of `made_by` ({name: the run that made
+    it}), results/ablations/exit/<name>/<rule>/ as `ablate exit` writes them (a row with training of its own, such
+    as a fitted gate, trains it from that model: run ids chain), and the BEYOND_KV rows of `ablate
+    kv-compression`'s plan (their training is the paper's MELT run, already done: same run ids)."""
+    from melt_eval.protocol import variants as definitions
+
+    exits = []
+    for name, model in made_by.items():
+        for row in BEYOND_EXIT:
+            defined = definitions.variant("exit", row)
+            train = [TrainRun(phase, recipe, overrides, model) for phase, recipe, overrides in defined.training_steps("tiny")]
+            exits.append(ablations.VariantPlan(f"exit/{name}", row, train=train, base="" if train else str(runs / model.run_id),
+                                               eval_options=dict(defined.eval_options)))
+    kv = {v.name: v for v in ablations.plan("kv-compression", "tiny", teacher_made_by, melt_overrides, seed=seed)}
+    return exits + [kv[row] for row in BEYOND_KV]
+
+
 def run_demo(output: Path, quick: bool = False, progress: bool = True, seed: int = 0, jobs: int | None = None,
-             compile: bool = False) -> dict:
+             compile: bool = False, beyond_paper: bool = False) -> dict:
     import torch
 
     threads = torch.get_num_threads()
     try:
-        return _run_demo(output, quick, progress, seed, threads, jobs or default_jobs(), compile)
+        return _run_demo(output, quick, progress, seed, threads, jobs or default_jobs(), compile, beyond_paper)
     finally:
         torch.set_num_threads(threads)  # the demo may have lowered it on a busy machine
 
 
-def _run_demo(output: Path, quick: bool, progress: bool, seed: int, threads: int, jobs: int, compile: bool) -> dict:
+def _run_demo(output: Path, quick: bool, progress: bool, seed: int, threads: int, jobs: int, compile: bool,
+              beyond_paper: bool) -> dict:
     size = QUICK if quick else FULL
     # compile: an execution field, so the runs keep their ids (and a cached run is reused either way)
     melt_overrides = dict(size.melt or {}, compile=True) if compile else size.melt
@@ -111,11 +141,12 @@ def _run_demo(output: Path, quick: bool, progress: bool, seed: int, threads: int
         if progress and msg:
             _heading(msg)
 
-    say("teacher", "[1/3] the teacher: ouro-tiny, a LoopLM trained from scratch on the synthetic task")
+    steps = 4 if beyond_paper else 3
+    say("teacher", f"[1/{steps}] the teacher: ouro-tiny, a LoopLM trained from scratch on the synthetic task")
     teacher_made_by = teacher_run(size, seed)
     teacher = str(ablations.train_run(teacher_made_by, runs, progress))
 
-    say("training and evaluation", "[2/3] MELT and the ablations (gates, component ladder) trained, and every model "
+    say("training and evaluation", f"[2/{steps}] MELT and the ablations (gates, component ladder) trained, and every model "
         "evaluated on the test split as soon as it is trained (the KV-sharing rows need no training)")
     variants = [v for a in ablations.ABLATIONS for v in ablations.plan(a, "tiny", teacher_made_by, melt_overrides, seed=seed)]
     full = next(v for v in variants if v.ablation == "components" and v.name == "full")
@@ -124,15 +155,17 @@ def _run_demo(output: Path, quick: bool, progress: bool, seed: int, threads: int
     evaluations += [ablations.Evaluation(model, results / name, name) for name, model in main.items()]
     evaluations += [ablations.Evaluation(model, results / "loops" / f"{name}-T{loops}", name, {"loops": loops})
                     for name, model in main.items() for loops in size.loops if loops != 4]  # T = 4 is the main result
-    try:
-        ablations.train_and_evaluate([run for v in variants for run in v.train], evaluations, TASK, runs, jobs=jobs,
-                                     progress=progress, **ev)
-    except SettingsChanged as e:  # the demo has no --force: say what to move, and that training is kept
-        raise UserError(f"{results} holds evaluations made with other settings ({', '.join(e.changed)} differ), "
-                        f"e.g. by an older melt-eval; move it aside and run the demo again (the trained models "
-                        f"under {runs} are kept)") from e
+    _queue([run for v in variants for run in v.train], evaluations, runs, results, jobs, progress, ev)
+    beyond = []
+    if beyond_paper:
+        say("beyond the paper", f"[3/{steps}] beyond the paper, on the trained models: early exit ({', '.join(BEYOND_EXIT)}) "
+            f"on the teacher and MELT, and compressed KV caches ({', '.join(BEYOND_KV)})")
+        beyond = beyond_paper_plans(teacher_made_by, {"ouro-tiny": teacher_made_by, "melt-tiny": full.train[-1]}, runs,
+                                    melt_overrides, seed)
+        _queue([run for v in beyond for run in v.train], ablations.variant_evaluations(beyond, runs, results), runs,
+               results, jobs, progress, ev)
 
-    say("report", "[3/3] the report")
+    say("report", f"[{steps}/{steps}] the report")
     from melt_eval.experiments.loop_profile import SEQUENCES, checkpoint_profile, summary_line
     from melt_eval.files import write_json_atomic
     from melt_eval.report.claims import NOISE, paper_claims
@@ -165,6 +198,8 @@ def _run_demo(output: Path, quick: bool, progress: bool, seed: int, threads: int
         "load_average": {"start": load_at_start, "end": _load_average()},
         "teacher_pass@1": pass_at_1("ouro-tiny"), "melt_pass@1": pass_at_1("melt-tiny"), "loop_profile": profiles,
         "gate_profile": gate_profile,
+        "teacher_pass@1_by_loops": {str(t): pass_at_1(f"loops/ouro-tiny-T{t}" if t != 4 else "ouro-tiny") for t in size.loops},
+        "beyond_paper": _beyond_summary(measured, results, beyond) if beyond else None,
         "claims_hold": sum(c.holds is True for c in claims), "claims": len(claims),
         "close_calls": [c.claim for c in claims if c.close_call],
         "files": [str(f) for f in report["files"]] + [str(output / "report" / f) for f in ("paper_tables.md", "claims.json", "mistakes.json")],
@@ -188,6 +223,9 @@ def _run_demo(output: Path, quick: bool, progress: bool, seed: int, threads: int
               + "; ".join(f"{name} {summary_line(rows)}" for name, rows in profiles.items()))
         _echo("gate z at loops 2-4 at the end of training, mean over layers (demo.json gate_profile): "
               + "; ".join(f"{name} {' / '.join(f'{z:.2f}' for z in zs)}" for name, zs in gate_profile.items() if zs))
+        _echo("teacher (ouro-tiny) pass@1 at T = " + ", ".join(f"{t}: {100 * v:.1f}%" for t, v in summary["teacher_pass@1_by_loops"].items()))
+        if summary["beyond_paper"]:
+            _echo_beyond(summary["beyond_paper"])
         _heading("The paper's claims, checked against these results (report/claims.json):")
         for c in claims:  # one line each: readable in a log as on a terminal
             mark = {True: "\u2713", False: "\u2717", None: "n/a"}[c.holds]
@@ -200,6 +238,63 @@ def _run_demo(output: Path, quick: bool, progress: bool, seed: int, threads: int
                  if close else ""))
         _echo(f"the same claims across seeds: melt-eval demo --seed N --output DIR, then melt-eval claims {output} DIR ...")
     return summary
+
+
+def _queue(train: list[TrainRun], evaluations: list, runs: Path, results: Path, jobs: int, progress: bool,
+           ev: dict) -> None:
+    """Train and evaluate through the one queue (`ablations.train_and_evaluate`); finished work is read back."""
+    try:
+        ablations.train_and_evaluate(train, evaluations, TASK, runs, jobs=jobs, progress=progress, **ev)
+    except SettingsChanged as e:  # the demo has no --force: say what to move, and that training is kept
+        raise UserError(f"{results} holds evaluations made with other settings ({', '.join(e.changed)} differ), "
+                        f"e.g. by an older melt-eval; move it aside and run the demo again (the trained models "
+                        f"under {runs} are kept)") from e
+
+
+def _beyond_summary(measured, results: Path, plans: list) -> dict:
+    """demo.json's record of the --beyond-paper rows, the teacher and MELT at full depth beside them: per row
+    {"pass@1", "stderr", "loops_per_token" (exit rows), "cache_bytes_per_sequence" (the measured peak over the
+    rows of its wave)}; and issue 40's comparisons, each gap in paired standard errors over the same problems."""
+    from melt_eval.report.claims import _paired_stderr, problem_scores
+    from melt_eval.report.plots import bytes_per_sequence
+
+    by_path = {r.path.parent.parent.resolve(): r for r in measured.every if r.task == TASK}
+    paths = {"ouro-tiny": results / "ouro-tiny", "melt-tiny": results / "melt-tiny"}
+    paths.update({f"{p.ablation}/{p.name}": results / "ablations" / p.ablation / p.name for p in plans})
+    got = {key: by_path.get(path.resolve()) for key, path in paths.items()}
+    rows = {}
+    for key, r in got.items():
+        if r is None:  # not finished (the report shows it as missing too)
+            continue
+        value, stderr = r.metrics["pass@1"]
+        rows[key] = {"pass@1": value, "stderr": stderr, "cache_bytes_per_sequence": bytes_per_sequence(r)}
+        if (r.raw.get("loops_per_token") or {}).get("mean") is not None:
+            rows[key]["loops_per_token"] = r.raw["loops_per_token"]["mean"]
+
+    def gap(a: str, b: str) -> dict | None:
+        if got.get(a) is None or got.get(b) is None:
+            return None
+        diff = rows[a]["pass@1"] - rows[b]["pass@1"]
+        se = _paired_stderr({TASK: problem_scores(got[a])}, {TASK: problem_scores(got[b])})
+        return {"rows": [a, b], "difference": diff, "paired_stderr": se, "in_stderr": diff / se if se else None}
+
+    comparisons = {"melt-int8 vs melt": gap("kv-compression/melt-int8", "melt-tiny"),
+                   "ouro-int4 vs melt": gap("kv-compression/ouro-int4", "melt-tiny")}
+    if "kv-compression/melt-int4" in rows and "ouro-tiny" in rows:
+        comparisons["melt-int4 bytes / ouro bytes"] = (rows["kv-compression/melt-int4"]["cache_bytes_per_sequence"]
+                                                       / rows["ouro-tiny"]["cache_bytes_per_sequence"])
+    return {"rows": rows, "comparisons": {k: v for k, v in comparisons.items() if v is not None}}
+
+
+def _echo_beyond(beyond: dict) -> None:
+    _heading("Beyond the paper (report.md's last tables, plots/exit.png, plots/memory_frontier.png):")
+    for key, row in beyond["rows"].items():
+        extra = [f"{row['loops_per_token']:.2f} loops/token"] if "loops_per_token" in row else []
+        extra += [f"KV {row['cache_bytes_per_sequence'] / 1e6:.3f} MB/seq."] if row.get("cache_bytes_per_sequence") else []
+        _echo(f"  {key}: pass@1 {100 * row['pass@1']:.1f}%" + (f" ({', '.join(extra)})" if extra else ""))
+    for name, c in beyond["comparisons"].items():
+        _echo(f"  {name}: " + (f"{c:.4f}" if isinstance(c, float) else f"{100 * c['difference']:+.1f} points"
+                               + (f" = {c['in_stderr']:+.1f} paired standard errors" if c["in_stderr"] is not None else "")))
 
 
 def _previous_runs(path: Path) -> list[dict]:

@@ -24,7 +24,7 @@ from melt_eval.protocol.labels import MAIN_MODELS
 from melt_eval.registry import MODELS
 from melt_eval.report.memory import GB, MB, kv_bytes_per_token_at, memory_row
 from melt_eval.report.paper import paper_memory, paper_results
-from melt_eval.report.results import ResultSet, exit_points, split_fitted
+from melt_eval.report.results import ResultSet, compressed_cache, exit_points, split_fitted
 
 MELT_COLOUR, OTHER_COLOUR = "#d62728", "#1f77b4"
 TOKENS_32K = 32_768
@@ -175,7 +175,8 @@ def loops_points(rs: ResultSet, task: str | None = None) -> dict[str, list[LoopP
     task = task or loops_task(rs)
     groups: dict[tuple, dict] = defaultdict(dict)
     for r in rs.every:
-        if r.settings.get("loops") and r.task == task and not r.settings.get("exit"):  # all loops only
+        # all loops, the model's own cache only: an exit or a compressed cache is another figure's point
+        if r.settings.get("loops") and r.task == task and not r.settings.get("exit") and not compressed_cache(r):
             groups[_group_key(r)][int(r.settings["loops"])] = r
     out = {}
     for key, by_t in groups.items():

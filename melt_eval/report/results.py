@@ -97,7 +97,8 @@ def exit_points(rs: ResultSet) -> dict[tuple[str, str], list[ExitPoint]]:
     runs: dict[tuple, list[Result]] = {}
     for r in rs.every:
         s = r.settings
-        if s.get("loops") and not s.get("kv_sharing"):
+        # a compressed cache is another point (the frontier's), not this checkpoint's full depth
+        if s.get("loops") and not s.get("kv_sharing") and not compressed_cache(r):
             runs.setdefault((r.raw.get("model_path") or r.model, r.task, s["loops"]), []).append(r)
     out = {}
     for (model, task, loops), members in runs.items():
@@ -114,12 +115,18 @@ def exit_points(rs: ResultSet) -> dict[tuple[str, str], list[ExitPoint]]:
             if isinstance(mean, (int, float)):
                 points.append(ExitPoint(rule, float(mean), r))
         # `ablate exit` names each run by its rule (results/ablations/exit/<model>/<rule>/): the model is the folder
-        names = {r.path.parents[2].name if r.path.parents[3].name == "exit" else r.model for r in members}
-        label = min(names, key=len)
+        # (the demo's exit/ouro-tiny/): that name first, over the shorter names of ablation rows sharing the checkpoint
+        folders = {r.path.parents[2].name for r in members if len(r.path.parents) > 3 and r.path.parents[3].name == "exit"}
+        label = min(folders or {r.model for r in members}, key=len)
         if all(r.path.parents[1].name.startswith(FITTED_GATE) for r in members):  # ablate exit's fitted-gate rows
             label += FITTED_SUFFIX
         out[(label, task)] = sorted(points, key=lambda p: p.mean_loops)
     return dict(sorted(out.items()))
+
+
+def compressed_cache(r: Result) -> bool:
+    """Evaluated with a compressed KV cache (--kv-cache-dtype other than auto, --cross-loop-kv)."""
+    return r.settings.get("kv_cache_dtype", "auto") != "auto" or bool(r.settings.get("cross_loop_kv"))
 
 
 class Malformed(ValueError):
