@@ -155,21 +155,32 @@ def test_results_made_with_other_settings_stop_the_demo_with_a_hint(quick_demo, 
 
 
 def test_beyond_paper_stage_adds_its_rows_to_a_finished_demo_once(quick_demo, monkeypatch):
-    """`demo --beyond-paper` on a finished demo: only the stage's rows are evaluated (nothing trained, the paper's
-    results untouched), each with its option; the report gains the exit figure and table and the compressed-cache
-    rows; demo.json records the stage's time and rows; a second run evaluates nothing."""
+    """`demo --beyond-paper` on a finished demo: only the stage's rows are evaluated (nothing trained but the fitted
+    gates, the paper's results untouched), each with its option; the report gains the exit figure and table and the
+    compressed-cache rows; demo.json records the stage's time and rows; a second run evaluates nothing."""
     import melt_eval.generation.backends as backends
     import melt_eval.training.runner as runner
     from melt_eval.experiments import demo
+    from melt_eval.protocol import variants
+    from melt_eval.report.results import FITTED_SUFFIX
 
-    monkeypatch.setattr(runner, "train", lambda *a, **k: pytest.fail("the trained models must be reused"))
+    fits, train = [], runner.train
+
+    def only_gate_fits(recipe, *a, **k):
+        assert recipe.target == "exit_gate", "the trained models must be reused"
+        fits.append(recipe.from_model)
+        return train(recipe, *a, **k)
+
+    monkeypatch.setattr(runner, "train", only_gate_fits)
     results = quick_demo / "results"
     before = {p: p.read_text() for p in results.rglob("results.json")}
     args = ["demo", "--quick", "--beyond-paper", "--output", str(quick_demo), "--no-progress", "--jobs", "1"]
     res = CliRunner().invoke(app, args)
     assert res.exit_code == 0, res.output + repr(res.exception)
     assert all(p.read_text() == text for p, text in before.items())  # the paper's rows were not evaluated again
-    exits = {f"exit/{m}/{row}": {"exit": row.replace("-", ":")} for m in ("ouro-tiny", "melt-tiny") for row in demo.BEYOND_EXIT}
+    exits = {f"exit/{m}/{row}": dict(variants.variant("exit", row).eval_options)
+             for m in ("ouro-tiny", "melt-tiny") for row in demo.BEYOND_EXIT}
+    assert len(fits) == 2 and len(set(fits)) == 2  # one gate fit per model, whatever the number of fitted rows
     kv = {f"kv-compression/{row}": {"kv_cache_dtype": row.split("-")[1]} for row in demo.BEYOND_KV}
     added = {str(p.relative_to(results / "ablations").parent.parent) for p in set(results.rglob("results.json")) - set(before)}
     assert added == set(exits) | set(kv)
@@ -179,7 +190,8 @@ def test_beyond_paper_stage_adds_its_rows_to_a_finished_demo_once(quick_demo, mo
         assert r["finished"] and r["settings"]["samples"] == 16 and r["num_problems"] == demo.QUICK.problems
         assert {k: r["settings"][k] for k in option} == option
         model = "melt" if "melt" in row else "ouro"
-        assert r["model_path"] == json.loads((results / f"{model}-tiny" / "synthetic" / "results.json").read_text())["model_path"]
+        if "fitted-gate" not in row:  # a fitted gate is evaluated on its own checkpoint (the model, gate refitted)
+            assert r["model_path"] == json.loads((results / f"{model}-tiny" / "synthetic" / "results.json").read_text())["model_path"]
         if "exit" in option:  # the loops each generated token ran, between 1 and T
             assert 1 <= r["loops_per_token"]["mean"] <= 4
     summary = json.loads((quick_demo / "demo.json").read_text())
@@ -197,8 +209,11 @@ def test_beyond_paper_stage_adds_its_rows_to_a_finished_demo_once(quick_demo, mo
     assert (quick_demo / "report" / "plots" / "memory_frontier.png").stat().st_size > 1000
     early = report.split("### Beyond the paper: early exit")[1].split("###")[0]
     for model in ("ouro-tiny", "melt-tiny"):
-        for rule in ("all loops", *(option["exit"] for option in exits.values())):
-            assert f"| {model} | synthetic | {rule} |" in early, (model, rule)
+        assert f"| {model} | synthetic | all loops |" in early, model
+    for row, option in exits.items():  # a fitted gate is its own series
+        model, name = row.split("/")[1:]
+        label = model + (FITTED_SUFFIX if name.startswith(variants.FITTED_GATE) else "")
+        assert f"| {label} | synthetic | {option['exit']} |" in early, (label, option)
     kv_table = report.split("### Beyond the paper: compressed KV caches")[1].split("###")[0]
     for label in ("MELT, int8 cache", "MELT, int4 cache", "Ouro, int4 cache"):
         assert f"| {label} |" in kv_table, label

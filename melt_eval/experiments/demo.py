@@ -48,8 +48,9 @@ EVAL = dict(samples=16, temperature=1.0, top_p=0.7)
 # --beyond-paper: rows picked by name from protocol.variants' beyond-the-paper ablations, each evaluated on the
 # demo's trained models with the same problems and samples as the paper's rows. The exit rows run on the teacher
 # and on MELT (full depth is each model's main evaluation); "agree" needs no gate, "gate" uses each model's
-# own exit gate as it is (the teacher's and MELT's are not trained for it in the demo).
-BEYOND_EXIT = ("agree-1", "agree-2", "gate-0.5", "gate-0.9")
+# own exit gate as it is (never trained in the demo: pretrain-tiny freezes it, MELT inherits it), "fitted-gate"
+# first fits that gate to the model's own loops (recipe tiny-exit-gate, Ouro's stage II; one fit per model).
+BEYOND_EXIT = ("agree-1", "agree-2", "gate-0.5", "gate-0.9", "fitted-gate-0.7", "fitted-gate-0.9")
 # issue 40's demo aims: MELT int8 against MELT, Ouro int4 (MELT's bytes) against MELT, MELT int4 at 1/16 of Ouro;
 # the uncompressed rows are the paper's runs (KV_COMPRESSION's fallbacks), not evaluated again
 BEYOND_KV = ("melt-int8", "melt-int4", "ouro-int4")
@@ -98,7 +99,9 @@ def beyond_paper_plans(teacher_made_by: TrainRun, made_by: dict[str, TrainRun], 
     for name, model in made_by.items():
         for row in BEYOND_EXIT:
             defined = definitions.variant("exit", row)
-            train = [TrainRun(phase, recipe, overrides, model) for phase, recipe, overrides in defined.training_steps("tiny")]
+            # --quick's step cap applies to a gate fit as to MELT's phases
+            train = [TrainRun(phase, recipe, {**overrides, **(melt_overrides or {})}, model)
+                     for phase, recipe, overrides in defined.training_steps("tiny")]
             exits.append(ablations.VariantPlan(f"exit/{name}", row, train=train, base="" if train else str(runs / model.run_id),
                                                eval_options=dict(defined.eval_options)))
     kv = {v.name: v for v in ablations.plan("kv-compression", "tiny", teacher_made_by, melt_overrides, seed=seed)}
