@@ -219,7 +219,7 @@ def test_beyond_paper_stage_adds_its_rows_to_a_finished_demo_once(quick_demo, mo
         assert f"| {label} |" in kv_table, label
     for label in ("Ouro, fp8 cache", "MELT, fp8 cache"):  # rows the demo does not run are left out, never borrowed
         assert f"| {label} |" not in kv_table, label
-    assert "Ouro with an int4 cache (about MELT's bytes)" in kv_table
+    assert "Ouro with an int4 cache (" in kv_table and "x MELT's measured bytes)" in kv_table
 
     # a second run: nothing trained or generated, the stage's rows read back
     monkeypatch.setattr(backends.NativeBackend, "generate", lambda *a, **k: pytest.fail("nothing left to generate"))

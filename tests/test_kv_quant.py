@@ -352,7 +352,7 @@ def test_beyond_the_paper_table_sits_beside_the_papers_tables(tmp_path):
     rows = {r.stub[1]: r.cells for r in table.rows}
     assert rows["MELT"][0].value == pytest.approx(85) and "MELT, int8 cache" not in rows  # MELT's, not borrowed
     [note] = [n for n in table.notes if "Ouro with an int4 cache" in n]
-    assert note == "synthetic: Ouro with an int4 cache (about MELT's bytes) 80.0 against MELT 85.0: MELT wins by 5.0 points."
+    assert note == "synthetic: Ouro with an int4 cache (1.00x MELT's measured bytes) 80.0 against MELT 85.0: MELT wins by 5.0 points."
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

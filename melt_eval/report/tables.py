@@ -518,6 +518,11 @@ def _against_melt(task: str, ouro_int4, melt) -> list[str]:
         return []
     paired = _paired_stderr({task: problem_scores(ouro_int4)}, {task: problem_scores(melt)})
     winner = "MELT" if b > a else "Ouro, int4 cache" if a > b else "neither"
-    return [f"{task}: Ouro with an int4 cache (about MELT's bytes) {a:.1f} against MELT {b:.1f}: {winner} "
+    from melt_eval.report.plots import bytes_per_sequence
+
+    # int4 is MELT's bytes per token at T = 4 only past KIVI's full-precision window: say what was measured
+    sizes = bytes_per_sequence(ouro_int4), bytes_per_sequence(melt)
+    bytes_said = f"{sizes[0] / sizes[1]:.2f}x MELT's measured bytes" if all(sizes) else "about MELT's bytes per token"
+    return [f"{task}: Ouro with an int4 cache ({bytes_said}) {a:.1f} against MELT {b:.1f}: {winner} "
             f"{'wins' if winner != 'neither' else '(equal)'} by {abs(a - b):.1f} points"
             + (f" = {abs(a - b) / (100 * paired):.1f} paired standard errors" if paired else "") + "."]
