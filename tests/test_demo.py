@@ -166,12 +166,13 @@ def test_beyond_paper_stage_adds_its_rows_to_a_finished_demo_once(quick_demo, mo
 
     fits, train = [], runner.train
 
-    def only_gate_fits(recipe, *a, **k):
-        assert recipe.target == "exit_gate", "the trained models must be reused"
-        fits.append(recipe.from_model)
+    def only_the_stage_trains(recipe, *a, **k):  # the gate fits and GQA-MELT; the paper's models are reused
+        gqa = recipe.kv_heads == 1 or "kv_heads=1" in str(recipe.from_model)  # its phase 1, or phase 2 from it
+        assert recipe.target == "exit_gate" or gqa, "the trained models must be reused"
+        fits.append(recipe.from_model) if recipe.target == "exit_gate" else None
         return train(recipe, *a, **k)
 
-    monkeypatch.setattr(runner, "train", only_gate_fits)
+    monkeypatch.setattr(runner, "train", only_the_stage_trains)
     results = quick_demo / "results"
     before = {p: p.read_text() for p in results.rglob("results.json")}
     args = ["demo", "--quick", "--beyond-paper", "--output", str(quick_demo), "--no-progress", "--jobs", "1"]
@@ -181,7 +182,7 @@ def test_beyond_paper_stage_adds_its_rows_to_a_finished_demo_once(quick_demo, mo
     exits = {f"exit/{m}/{row}": dict(variants.variant("exit", row).eval_options)
              for m in ("ouro-tiny", "melt-tiny") for row in demo.BEYOND_EXIT}
     assert len(fits) == 2 and len(set(fits)) == 2  # one gate fit per model, whatever the number of fitted rows
-    kv = {f"kv-compression/{row}": {"kv_cache_dtype": row.split("-")[1]} for row in demo.BEYOND_KV}
+    kv = {f"kv-compression/{row}": dict(variants.variant("kv-compression", row).eval_options) for row in demo.BEYOND_KV}
     added = {str(p.relative_to(results / "ablations").parent.parent) for p in set(results.rglob("results.json")) - set(before)}
     assert added == set(exits) | set(kv)
     teacher = json.loads((results / "ouro-tiny" / "synthetic" / "results.json").read_text())
@@ -190,7 +191,7 @@ def test_beyond_paper_stage_adds_its_rows_to_a_finished_demo_once(quick_demo, mo
         assert r["finished"] and r["settings"]["samples"] == 16 and r["num_problems"] == demo.QUICK.problems
         assert {k: r["settings"][k] for k in option} == option
         model = "melt" if "melt" in row else "ouro"
-        if "fitted-gate" not in row:  # a fitted gate is evaluated on its own checkpoint (the model, gate refitted)
+        if "fitted-gate" not in row and "gqa" not in row:  # those two are evaluated on checkpoints of their own
             assert r["model_path"] == json.loads((results / f"{model}-tiny" / "synthetic" / "results.json").read_text())["model_path"]
         if "exit" in option:  # the loops each generated token ran, between 1 and T
             assert 1 <= r["loops_per_token"]["mean"] <= 4
@@ -215,10 +216,9 @@ def test_beyond_paper_stage_adds_its_rows_to_a_finished_demo_once(quick_demo, mo
         label = model + (FITTED_SUFFIX if name.startswith(variants.FITTED_GATE) else "")
         assert f"| {label} | synthetic | {option['exit']} |" in early, (label, option)
     kv_table = report.split("### Beyond the paper: compressed KV caches")[1].split("###")[0]
-    for label in ("MELT, int8 cache", "MELT, int4 cache", "Ouro, int4 cache"):
+    for row in demo.BEYOND_KV:
+        label = variants.variant("kv-compression", row).paper_label
         assert f"| {label} |" in kv_table, label
-    for label in ("Ouro, fp8 cache", "MELT, fp8 cache"):  # rows the demo does not run are left out, never borrowed
-        assert f"| {label} |" not in kv_table, label
     assert "Ouro with an int4 cache (" in kv_table and "x MELT's measured bytes)" in kv_table
 
     # a second run: nothing trained or generated, the stage's rows read back

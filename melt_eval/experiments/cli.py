@@ -104,9 +104,11 @@ def register(app: typer.Typer) -> None:
         beyond_paper: bool = typer.Option(False, "--beyond-paper", help="Also evaluate the trained teacher and MELT "
                                           "beyond the paper, after its rows: early exit (--exit agree:1, agree:2, gate:0.5, "
                                           "gate:0.9, and gate:0.7, 0.9 on a gate fitted to each model by recipe "
-                                          "tiny-exit-gate) and MELT int8/int4 and Ouro int4 KV caches; the report adds "
-                                          "plots/exit.png and the compressed-cache rows (plots/memory_frontier.png). "
-                                          "15 more evaluations and 2 gate fits, so off by default (docs/demo.md)."),
+                                          "tiny-exit-gate), Ouro and MELT with fp8/int8/int4 KV caches, Ouro's cross-loop "
+                                          "cache and GQA-MELT (kv_heads 1, both MELT phases trained); the report adds "
+                                          "plots/exit.png and these rows on plots/memory_frontier.png. 20 more "
+                                          "evaluations, 2 gate fits and GQA-MELT's training, so off by default "
+                                          "(docs/demo.md)."),
         progress: bool = typer.Option(True, "--progress/--no-progress", help="Show progress bars (on stderr)."),
     ) -> None:
         """A miniature reproduction on the CPU: teacher, MELT, every ablation, every table and figure, and

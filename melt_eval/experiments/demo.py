@@ -51,9 +51,10 @@ EVAL = dict(samples=16, temperature=1.0, top_p=0.7)
 # own exit gate as it is (never trained in the demo: pretrain-tiny freezes it, MELT inherits it), "fitted-gate"
 # first fits that gate to the model's own loops (recipe tiny-exit-gate, Ouro's stage II; one fit per model).
 BEYOND_EXIT = ("agree-1", "agree-2", "gate-0.5", "gate-0.9", "fitted-gate-0.7", "fitted-gate-0.9")
-# issue 40's demo aims: MELT int8 against MELT, Ouro int4 (MELT's bytes) against MELT, MELT int4 at 1/16 of Ouro;
+# every compressed cache of KV_COMPRESSION (issue 40's demo aims: MELT int8 against MELT, Ouro int4 against MELT,
+# MELT int4's bytes against Ouro's) and GQA-MELT, the one row that trains (both MELT phases with kv_heads: 1);
 # the uncompressed rows are the paper's runs (KV_COMPRESSION's fallbacks), not evaluated again
-BEYOND_KV = ("melt-int8", "melt-int4", "ouro-int4")
+BEYOND_KV = ("ouro-fp8", "ouro-int8", "ouro-int4", "ouro-cross-loop", "melt-fp8", "melt-int8", "melt-int4", "melt-gqa")
 
 
 def eval_settings(size: DemoSize, seed: int = 0) -> dict:
