@@ -169,7 +169,8 @@ def test_beyond_paper_stage_adds_its_rows_to_a_finished_demo_once(quick_demo, mo
     def only_the_stage_trains(recipe, *a, **k):  # the gate fits and GQA-MELT; the paper's models are reused
         gqa = recipe.kv_heads == 1 or "kv_heads=1" in str(recipe.from_model)  # its phase 1, or phase 2 from it
         assert recipe.target == "exit_gate" or gqa, "the trained models must be reused"
-        fits.append(recipe.from_model) if recipe.target == "exit_gate" else None
+        if recipe.target == "exit_gate":
+            fits.append(recipe.from_model)
         return train(recipe, *a, **k)
 
     monkeypatch.setattr(runner, "train", only_the_stage_trains)
