@@ -3,6 +3,8 @@ measure its pass@1 at T = 1..4 on the form's test split (docs/results/2026-11-26
 
     python benchmarks/demo_task_screen.py --form lookup --max-value 5 --out /tmp/screen-lookup5
     python benchmarks/demo_task_screen.py --form digit-sum3 --seq-len 136 --train-n 8000 --out /tmp/s3 --melt
+    python benchmarks/demo_task_screen.py --form digit-sum --seq-len 112 --train-n 1173 --problems 100 \
+        --max-steps 800 --lr-schedule-steps 1600 --seed 1 --out /tmp/ds800-s1 --melt
 
 --melt then converts the teacher as the demo does (tiny-phase1, then tiny-phase2, with the form's data)
 and scores MELT at each T and the teacher with the untrained KV sharing the demo's baselines use (last
@@ -32,6 +34,8 @@ def main() -> None:
     ap.add_argument("--seq-len", type=int, default=128)
     ap.add_argument("--train-n", type=int, default=20000)
     ap.add_argument("--max-steps", type=int, default=1600)
+    ap.add_argument("--lr-schedule-steps", type=int, default=None,
+                    help="the cosine's length when training stops before it ends (recipe lr_schedule_steps)")
     ap.add_argument("--problems", type=int, default=50)
     ap.add_argument("--samples", type=int, default=4)
     ap.add_argument("--seed", type=int, default=0)
@@ -48,7 +52,8 @@ def main() -> None:
     data = [{"source": "synthetic", "n": a.train_n, "num_steps": [lo, hi], "max_value": a.max_value,
              "form": a.form, "target": "solution"}]
     overrides = {"data": data, "seq_len": a.seq_len, "batch_tokens": 16 * a.seq_len, "max_steps": a.max_steps,
-                 "save_every": a.max_steps, **({"seed": a.seed} if a.seed else {})}
+                 "save_every": a.max_steps, "lr_schedule_steps": a.lr_schedule_steps,
+                 **({"seed": a.seed} if a.seed else {})}
     record = {"form": a.form, "max_value": a.max_value, "steps": [lo, hi], "overrides": overrides,
               "load_start": os.getloadavg()}
     started = time.perf_counter()

@@ -185,6 +185,18 @@ def test_alpha_and_lr_schedules():
     assert all(a >= b for a, b in zip(f[3:], f[4:])) and f[-1] > 0.1
 
 
+def test_a_longer_lr_schedule_stops_training_partway_down_its_cosine():
+    """lr_schedule_steps: the learning rate of a run stopped at step 20 of a 40-step schedule is the 40-step
+    run's at every step, not a cosine finished early; past the schedule it stays at the floor."""
+    short = tiny(warmup_steps=4, max_steps=20, min_lr_ratio=0.1, lr_schedule_steps=40)
+    full = tiny(warmup_steps=4, max_steps=40, min_lr_ratio=0.1)
+    assert [lr_factor(s, short) for s in range(20)] == [lr_factor(s, full) for s in range(20)]
+    assert lr_factor(19, short) > 0.5 > lr_factor(19, tiny(warmup_steps=4, max_steps=20, min_lr_ratio=0.1))
+    assert lr_factor(60, tiny(warmup_steps=4, max_steps=80, min_lr_ratio=0.1, lr_schedule_steps=40)) == pytest.approx(0.1)
+    with pytest.raises(UserError, match="lr_schedule_steps must be a whole number >= 1"):
+        tiny(lr_schedule_steps=0)
+
+
 @pytest.mark.parametrize("variant", list(LADDER))
 def test_ladder_variant_builds_the_spec_objective(variant, looplm, batch):
     """Each component-removal row: which terms, which alpha at step 0, which chunk size, which phases."""

@@ -76,6 +76,9 @@ class Recipe:
     shuffle_buffer: int = 10_000  # streaming shuffle buffer for Hub sources
     # --- optimisation ----------------------------------------------------------------------
     max_steps: int = 500
+    # The cosine's length. null: max_steps. Longer than max_steps stops training partway down the cosine,
+    # with the learning rate still high: the state a longer run passes through (pretrain-tiny uses it).
+    lr_schedule_steps: int | None = None
     lr: float = 8e-6
     gate_lr: float = 5e-4
     warmup_steps: int = 25
@@ -165,6 +168,9 @@ class Recipe:
             bad(f"kv_heads must be a whole number >= 1 (or null), got {self.kv_heads!r}")
         if self.kv_heads is not None and self.target != "melt":
             bad("kv_heads converts a LoopLM to a grouped-query MELT: it applies to target melt only")
+        if self.lr_schedule_steps is not None and (isinstance(self.lr_schedule_steps, bool)
+                                                   or not isinstance(self.lr_schedule_steps, int) or self.lr_schedule_steps < 1):
+            bad(f"lr_schedule_steps must be a whole number >= 1 (or null: max_steps), got {self.lr_schedule_steps!r}")
         if not self.data:
             bad("data must list at least one source (see the recipes in melt_eval/recipes/)")
         check_data_sources(self.data, bad)

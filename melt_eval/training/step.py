@@ -44,10 +44,11 @@ class Trainee:
 
 
 def lr_factor(step: int, recipe: Recipe) -> float:
-    """Linear warmup over `warmup_steps`, then cosine decay to `min_lr_ratio` at `max_steps`."""
+    """Linear warmup over `warmup_steps`, then cosine decay to `min_lr_ratio` at `lr_schedule_steps`
+    (default `max_steps`; it stays there after)."""
     if recipe.warmup_steps and step < recipe.warmup_steps:
         return (step + 1) / recipe.warmup_steps
-    span = max(1, recipe.max_steps - recipe.warmup_steps)
+    span = max(1, (recipe.lr_schedule_steps or recipe.max_steps) - recipe.warmup_steps)
     progress = min(1.0, (step - recipe.warmup_steps) / span)
     return recipe.min_lr_ratio + (1 - recipe.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
