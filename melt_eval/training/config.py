@@ -25,7 +25,8 @@ RECIPES_DIR = Path(__file__).resolve().parents[1] / "recipes"  # package data: s
 EXECUTION_FIELDS = {"compile", "log_with"}
 # fields added after run identities were first published, with the value every earlier run had: at that
 # value a field is left out of a run's identity, so a run an older melt-eval trained is found, not retrained
-ADDED_FIELDS = {"prompt_as_one_chunk": False, "kv_heads": None, "exit_gate_k": 50.0, "exit_gate_gamma": 0.005}
+ADDED_FIELDS = {"prompt_as_one_chunk": False, "kv_heads": None, "exit_gate_k": 50.0, "exit_gate_gamma": 0.005,
+                "lr_schedule_steps": None}
 # what is trained: MELT (converted or continued), a plain LoopLM, or only the early-exit gate of either
 TARGETS = ("melt", "looplm", "exit_gate")
 OVERLONG = ("keep", "truncate", "drop")
