@@ -78,7 +78,7 @@ class Recipe:
     # --- optimisation ----------------------------------------------------------------------
     max_steps: int = 500
     # The cosine's length. null: max_steps. Longer than max_steps stops training partway down the cosine,
-    # with the learning rate still high: the state a longer run passes through (pretrain-tiny uses it).
+    # with the learning rate still high: the state a longer run passes through at that step.
     lr_schedule_steps: int | None = None
     lr: float = 8e-6
     gate_lr: float = 5e-4
