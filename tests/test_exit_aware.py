@@ -86,20 +86,23 @@ def _recipe(**overrides):
     return load_recipe("tiny-exit-aware", overrides={"from_model": "x", **overrides})
 
 
-def test_the_draw_stops_reply_tokens_only_and_repeats_on_resume(training_batch):
+def test_the_draw_stops_reply_tokens_only_and_repeats_on_resume(pair, training_batch):
+    teacher, melt = pair
     batch = training_batch(24, 18, (10, 12))
     mask = batch["loss_mask"].bool()
-    draw = exit_loops(_recipe(exit_aware_p=1.0), batch["loss_mask"], 4, (2, 7, 0))
+    draw = exit_loops(_recipe(exit_aware_p=1.0), batch["loss_mask"], melt, (2, 7, 0))
     assert (draw[~mask] == 4).all() and set(draw[mask].tolist()) == {2, 3}
-    half = exit_loops(_recipe(), batch["loss_mask"], 4, (2, 7, 0))
-    assert torch.equal(half, exit_loops(_recipe(), batch["loss_mask"], 4, (2, 7, 0)))  # a resumed step draws the same
-    assert not torch.equal(half, exit_loops(_recipe(), batch["loss_mask"], 4, (2, 8, 0)))
+    half = exit_loops(_recipe(), batch["loss_mask"], melt, (2, 7, 0))
+    assert torch.equal(half, exit_loops(_recipe(), batch["loss_mask"], melt, (2, 7, 0)))  # a resumed step draws the same
+    assert not torch.equal(half, exit_loops(_recipe(), batch["loss_mask"], melt, (2, 8, 0)))
     assert 0 < (half[mask] < 4).float().mean() < 1
-    assert exit_loops(_recipe(exit_aware_p=0.0), batch["loss_mask"], 4, (2, 7, 0)) is None
-    every = exit_loops(_recipe(exit_aware_p=1.0, exit_aware_loops=[]), batch["loss_mask"], 4, (2, 7, 0))
+    assert exit_loops(_recipe(exit_aware_p=0.0), batch["loss_mask"], melt, (2, 7, 0)) is None
+    every = exit_loops(_recipe(exit_aware_p=1.0, exit_aware_loops=[]), batch["loss_mask"], melt, (2, 7, 0))
     assert set(every[mask].tolist()) == {1, 2, 3}
     with pytest.raises(UserError, match="exit_aware_loops must be loops before the model's last"):
-        exit_loops(_recipe(exit_aware_loops=[2, 4]), batch["loss_mask"], 4, (2, 7, 0))
+        exit_loops(_recipe(exit_aware_loops=[2, 4]), batch["loss_mask"], melt, (2, 7, 0))
+    with pytest.raises(UserError, match="exit_aware_p needs a model with a shared cache"):
+        exit_loops(_recipe(), batch["loss_mask"], teacher, (2, 7, 0))
 
 
 @pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16-autocast"])
@@ -149,3 +152,21 @@ def test_a_cache_that_is_not_shared_refuses_exit_loops(pair):
     teacher, _ = pair
     with pytest.raises(ValueError, match="exit_loops trains an early exit into a shared cache"):
         teacher(torch.tensor([PROMPT]), exit_loops=torch.full((1, len(PROMPT)), 2))
+
+
+def test_the_gate_fit_can_read_its_labels_off_an_exited_cache(pair, training_batch):
+    """target exit_gate with exit_aware_p: the labels come from the forward whose earlier reply tokens left their
+    entries at the drawn loops (a different loss from the full-depth fit); at p = 0 it is today's fit."""
+    _, melt = pair
+    batch = training_batch(24, 24, (10, 12))
+    n = float(batch["loss_mask"][:, 1:].sum())
+    gate = load_recipe("tiny-exit-gate", overrides={"from_model": "x"})
+    kwargs = dict(n_loss_tokens=n, n_tokens=n)
+    with torch.no_grad():
+        today, _ = forward_objective(melt, None, batch, gate, 0, **kwargs)
+        zero, _ = forward_objective(melt, None, batch, load_recipe("tiny-exit-gate", overrides={
+            "from_model": "x", "exit_aware_p": 0.0, "exit_aware_loops": [2]}), 0, **kwargs)
+        exited, _ = forward_objective(melt, None, batch, load_recipe("tiny-exit-gate", overrides={
+            "from_model": "x", "exit_aware_p": 1.0, "exit_aware_loops": [1]}), 0, **kwargs)
+    assert zero.total.item() == today.total.item()
+    assert abs(exited.total.item() - today.total.item()) > 1e-4

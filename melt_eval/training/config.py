@@ -69,7 +69,7 @@ class Recipe:
     # (Ouro's slope k and threshold gamma; docs/method.md#early-exit)
     exit_gate_k: float = 50.0
     exit_gate_gamma: float = 0.005
-    # Exit-aware training (target melt, alpha 1; docs/training.md#exit-aware-fine-tuning): each reply token, with
+    # Exit-aware training (target melt or exit_gate, alpha 1; docs/training.md#exit-aware-fine-tuning): each reply token, with
     # probability exit_aware_p, leaves its shared-cache entry at a loop drawn uniformly from exit_aware_loops ([]:
     # 1..T-1), as `--exit` leaves an exited token's entry, so later tokens learn to read such entries. 0: off.
     exit_aware_p: float = 0.0
@@ -222,9 +222,9 @@ def check_exit_aware(recipe: "Recipe", bad) -> None:
         bad(f"exit_aware_p must be within [0, 1], got {p}")
     if not (isinstance(loops, list) and all(_is_int(t) and t >= 1 for t in loops)):
         bad(f"exit_aware_loops must be [] (every loop before the last) or whole loops >= 1, e.g. [2, 3]; got {loops!r}")
-    if p > 0 and (recipe.target != "melt" or recipe.interpolation_steps):
+    if p > 0 and (recipe.target not in ("melt", "exit_gate") or recipe.interpolation_steps):
         bad("exit_aware_p trains MELT to read early-exited entries of its shared cache: it needs target melt "
-            "and interpolation_steps: 0 (alpha 1)")
+            "(or exit_gate, to fit the gate on such a cache) and interpolation_steps: 0 (alpha 1)")
 
 
 # The keys each kind of data source takes (melt_eval.training.data builds them) and the type of each value.

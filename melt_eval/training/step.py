@@ -64,7 +64,7 @@ def forward_objective(model, teacher, batch: dict, recipe: Recipe, step: int, *,
     index in the step, seeds the draw with the recipe's seed and the step, so a resumed run draws the same).
     """
     if recipe.target == "exit_gate":
-        return _exit_gate_objective(model, batch, recipe, n_loss_tokens)
+        return _exit_gate_objective(model, batch, recipe, step, n_loss_tokens, micro)
     if output_loop_states is None:
         output_loop_states = recipe.needs_loop_states()
     ids, attn = batch["input_ids"], batch["attention_mask"]
@@ -85,17 +85,18 @@ def forward_objective(model, teacher, batch: dict, recipe: Recipe, step: int, *,
 
     inner = getattr(model, "module", model)  # DDP/FSDP wrap it
     chunk_size, first_chunk = chunks(recipe, batch, inner.cache_layout())
-    exits = exit_loops(recipe, batch["loss_mask"], inner.config.total_ut_steps, (recipe.seed, step, micro))
+    exits = exit_loops(recipe, batch["loss_mask"], inner, (recipe.seed, step, micro))
     out = model(ids, attention_mask=attn, chunk_size=chunk_size, first_chunk=first_chunk, alpha=recipe.alpha(step),
                 output_loop_states=output_loop_states, output_attn_outputs=align, compute_logits=False, loss_fn=loss_fn,
                 exit_loops=exits)
     return out.loss_terms, out
 
 
-def _exit_gate_objective(model, batch: dict, recipe: Recipe, n_loss_tokens: float):
+def _exit_gate_objective(model, batch: dict, recipe: Recipe, step: int, n_loss_tokens: float, micro: int):
     """target exit_gate: the model's own forward (for MELT its chunks and shared cache, by the recipe's chunk rule,
     so the gate sees the states MELT decodes with), every loop's state, Ouro's stage-II objective on the gate.
-    Every weight but the gate's is frozen, so the forward itself records no graph."""
+    Every weight but the gate's is frozen, so the forward itself records no graph. With exit_aware_p > 0 (MELT)
+    earlier reply tokens leave their entries at drawn loops, so the labels come from the cache an exit leaves."""
     from melt_eval.modeling.early_exit import exit_logit
 
     inner = getattr(model, "module", model)  # DDP/FSDP wrap it
@@ -106,18 +107,24 @@ def _exit_gate_objective(model, batch: dict, recipe: Recipe, n_loss_tokens: floa
                                    k=recipe.exit_gate_k, gamma=recipe.exit_gate_gamma, n_loss_tokens=n_loss_tokens)
 
     chunk_size, first_chunk = chunks(recipe, batch, inner.cache_layout())
+    exits = exit_loops(recipe, batch["loss_mask"], inner, (recipe.seed, step, micro))
     out = model(ids, attention_mask=batch["attention_mask"], chunk_size=chunk_size, first_chunk=first_chunk,
-                output_loop_states=True, output_attn_outputs=False, compute_logits=False, loss_fn=loss_fn)
+                output_loop_states=True, output_attn_outputs=False, compute_logits=False, loss_fn=loss_fn,
+                exit_loops=exits)
     return out.loss_terms, out
 
 
-def exit_loops(recipe: Recipe, loss_mask, loops: int, seed: tuple[int, int, int]):
+def exit_loops(recipe: Recipe, loss_mask, model, seed: tuple[int, int, int]):
     """Exit-aware training's draw (docs/training.md#exit-aware-fine-tuning): [B, L] long, the loop each token's
     shared entry is left at. Reply tokens (loss_mask) stop early with probability exit_aware_p, at a loop drawn
     uniformly from exit_aware_loops ([]: 1..T-1); the prompt and the rest keep all T loops, as generation
     prefills the prompt at full depth. None when exit_aware_p is 0 (today's forward)."""
     if not recipe.exit_aware_p:
         return None
+    if model.cache_layout().kind != "shared":
+        raise UserError(f"exit_aware_p needs a model with a shared cache (MELT); this {model.config.model_type} "
+                        "checkpoint keeps another: set exit_aware_p: 0")
+    loops = model.config.total_ut_steps
     choices = recipe.exit_aware_loops or list(range(1, loops))
     if max(choices, default=0) >= loops or not choices:
         raise UserError(f"exit_aware_loops must be loops before the model's last (T = {loops}): 1..{loops - 1}; "
