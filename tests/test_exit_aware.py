@@ -170,3 +170,45 @@ def test_the_gate_fit_can_read_its_labels_off_an_exited_cache(pair, training_bat
             "from_model": "x", "exit_aware_p": 1.0, "exit_aware_loops": [1]}), 0, **kwargs)
     assert zero.total.item() == today.total.item()
     assert abs(exited.total.item() - today.total.item()) > 1e-4
+
+
+def test_ablate_exit_chains_exit_aware_training_and_a_gate_fit_on_a_melt_with_a_teacher():
+    """The exit-aware rows: tiny-exit-aware from the MELT, tiny-exit-gate from its output, one chain shared by the
+    rows; planned for a MELT run of the plan (it records its teacher), not for a LoopLM or a registry MELT."""
+    from melt_eval.experiments.ablations import TrainRun, exit_plan
+    from melt_eval.protocol.variants import EXIT_AWARE
+
+    melt = TrainRun(2, "tiny-phase2", {}, "runs/phase1")
+    plans = [p for p in exit_plan("tiny", melt, {"max_steps": 5}) if p.name.startswith(EXIT_AWARE)]
+    assert [(p.name, p.eval_options["exit"]) for p in plans] == [
+        ("exit-aware-full", None), ("exit-aware-0.7", "gate:0.7"), ("exit-aware-0.8", "gate:0.8"),
+        ("exit-aware-0.9", "gate:0.9")]
+    aware, gate = plans[0].train
+    assert (aware.recipe, aware.start, aware.overrides) == ("tiny-exit-aware", melt, {"max_steps": 5})
+    assert (gate.recipe, gate.start) == ("tiny-exit-gate", aware)
+    assert {tuple(r.run_id for r in p.train) for p in plans} == {(aware.run_id, gate.run_id)}
+    for model in ("tiny-random-ouro", "tiny-random-melt", TrainRun(0, "pretrain-tiny", {}, "tiny-random-ouro")):
+        assert not [p for p in exit_plan("tiny", model) if p.name.startswith(EXIT_AWARE)]
+
+
+def test_the_report_draws_the_exit_aware_rows_as_their_own_series(tmp_path):
+    import json
+
+    from melt_eval.report.results import load_results
+    from melt_eval.report.tables import build_tables
+
+    for name, ckpt, rule, mean in (("full", "/ckpt/melt", None, None), ("gate-0.7", "/ckpt/melt", "gate:0.7", 2.0),
+                                   ("exit-aware-full", "/runs/gate-of-aware", None, None),
+                                   ("exit-aware-0.7", "/runs/gate-of-aware", "gate:0.7", 2.1)):
+        raw = {"model": name, "task": "synthetic", "finished": True, "model_path": ckpt,
+               "settings": {"loops": 4, "kv_sharing": None, "samples": 2, **({"exit": rule} if rule else {})},
+               "metrics": {"pass@1": {"value": 0.5, "stderr": 0.05}}}
+        if rule:
+            raw["loops_per_token"] = {"mean": mean, "histogram": {"1": 0, "2": 9, "3": 1, "4": 0}}
+        path = tmp_path / "ablations" / "exit" / "melt-tiny" / name / "synthetic" / "results.json"
+        path.parent.mkdir(parents=True)
+        path.write_text(json.dumps(raw))
+    [table] = [t for t in build_tables(load_results(tmp_path)) if t.key == "exit"]
+    assert [(r.stub[0], r.stub[2]) for r in table.rows] == [
+        ("melt-tiny", "all loops"), ("melt-tiny", "gate:0.7"),
+        ("melt-tiny (exit-aware, fitted gate)", "all loops"), ("melt-tiny (exit-aware, fitted gate)", "gate:0.7")]
