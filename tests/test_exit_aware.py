@@ -212,3 +212,30 @@ def test_the_report_draws_the_exit_aware_rows_as_their_own_series(tmp_path):
     assert [(r.stub[0], r.stub[2]) for r in table.rows] == [
         ("melt-tiny", "all loops"), ("melt-tiny", "gate:0.7"),
         ("melt-tiny (exit-aware, fitted gate)", "all loops"), ("melt-tiny (exit-aware, fitted gate)", "gate:0.7")]
+
+
+@pytest.mark.parametrize("chunk", [1, 3])
+def test_the_gradient_through_exited_entries_is_the_concatenating_references(random_looplm, training_batch, chunk):
+    """Through the in-place store (its commits and prefix attention), the gradient of every loop's logits with
+    tokens stopped at drawn loops equals that of the literal concatenate-and-mask forward (tests/reference_chunked.py)."""
+    from reference_chunked import reference_forward
+
+    melt = MeltForCausalLM.from_looplm(random_looplm(0.1, torch.float64)).to(torch.float64)
+    batch = training_batch(12, 12, (4, 5))
+    ids, attn = batch["input_ids"], batch["attention_mask"]
+    exits = torch.randint(1, 5, ids.shape, generator=torch.Generator().manual_seed(1))
+    weights = torch.randn(4, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+
+    def backward(loop_logits):
+        melt.zero_grad(set_to_none=True)
+        sum(w * x.pow(2).mean() for w, x in zip(weights, loop_logits)).backward()
+        return {n: p.grad.clone() for n, p in melt.named_parameters() if p.grad is not None}
+
+    ours = backward(melt(ids, chunk_size=chunk, first_chunk=4, output_loop_states=True, exit_loops=exits).loop_logits)
+    theirs = backward(reference_forward(melt, ids, attn, chunk, first_chunk=4, exit_loops=exits)[0])
+    today = backward(reference_forward(melt, ids, attn, chunk, first_chunk=4)[0])
+    assert ours.keys() == theirs.keys()
+    for name in ours:
+        # RMSNorm computes in fp32 whatever the model's dtype: test_train_memory.py's tolerance
+        torch.testing.assert_close(ours[name], theirs[name], atol=1e-6, rtol=0, msg=name)
+    assert max(float((ours[n] - today[n]).abs().max()) for n in ours) > 1e-4  # the exits do change the gradient
