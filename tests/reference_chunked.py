@@ -12,9 +12,10 @@ import torch
 import torch.nn.functional as F
 
 
-def reference_forward(model, input_ids, attention_mask, chunk_size, alpha=1.0, first_chunk=0):
+def reference_forward(model, input_ids, attention_mask, chunk_size, alpha=1.0, first_chunk=0, exit_loops=None):
     """Per-loop logits T x [B, L, V], attention outputs [layer][loop] -> [B, L, d]. `first_chunk` > 0:
-    the first that many tokens are one chunk, then chunks of chunk_size."""
+    the first that many tokens are one chunk, then chunks of chunk_size. `exit_loops` [B, L]: what a chunk
+    leaves for later chunks is each token's MELT entry at its loop (docs/method.md#exit-aware-fine-tuning)."""
     inner, cfg = model.model, model.config
     T, N = cfg.total_ut_steps, cfg.num_hidden_layers
     melt = hasattr(inner.layers[0], "melt_gate")
@@ -37,8 +38,10 @@ def reference_forward(model, input_ids, attention_mask, chunk_size, alpha=1.0, f
         pending: dict = {}
         states = [None] * N
 
-        def with_past(key, k, v):
-            pending[key] = (k, v)
+        def with_past(key, k, v, ran=None):
+            # ran [B, 1, c, 1]: the chunk's tokens still looping; a stopped one leaves its earlier entry
+            pending[key] = (k, v) if ran is None or key not in pending else (
+                torch.where(ran, k, pending[key][0]), torch.where(ran, v, pending[key][1]))
             if key not in past:
                 return k, v
             return torch.cat([past[key][0], k], 2), torch.cat([past[key][1], v], 2)
@@ -49,7 +52,8 @@ def reference_forward(model, input_ids, attention_mask, chunk_size, alpha=1.0, f
                 q = layer.self_attn.query(a, cos, sin)
                 if melt:
                     states[i] = a if t == 0 else layer.update_state(states[i], a, t + 1)[0]
-                    km, vm = with_past(("melt", i), *layer.self_attn.key_value(states[i], cos, sin))
+                    ran = None if exit_loops is None else (exit_loops[:, start:end] > t)[:, None, :, None]
+                    km, vm = with_past(("melt", i), *layer.self_attn.key_value(states[i], cos, sin), ran)
                     if alpha == 1.0:
                         k, v = km, vm
                     else:

@@ -90,7 +90,9 @@ def register(app: typer.Typer) -> None:
             None, "--exit", rich_help_panel=MODEL, metavar="gate:Q|agree:K",
             help="Early exit of generated tokens (native engine; the prompt keeps full depth): gate:Q stops a token "
                  "at the first loop where Ouro's cumulative exit probability reaches Q (0 < Q <= 1), agree:K once its "
-                 "top token stays the same K more loops (K >= 1). Default: none, every loop (= gate:1)."),
+                 "top token stays the same K more loops (K >= 1). Default: none, every loop (= gate:1). MELT is trained "
+                 "with every earlier entry at loop T; exit-aware training (recipe key exit_aware_p) teaches it to read "
+                 "early-exited ones (docs/training.md#exit-aware-fine-tuning)."),
         kv_cache_dtype: KvCacheDtype = typer.Option(
             "auto", "--kv-cache-dtype", rich_help_panel=MODEL,
             help="How the KV cache stores entries: auto (the model's dtype) | fp8 | int8 | int4 (KIVI: keys per "

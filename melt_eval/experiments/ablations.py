@@ -118,12 +118,27 @@ def exit_plan(preset: str = "paper", base: str | None = None, train_overrides: d
     for model in [base] if base else EXIT_MODELS[preset]:
         label = Path(str(model).rstrip("/")).name or str(model)
         for name in definitions.RUN_ORDER["exit"]:
+            if name.startswith(definitions.EXIT_AWARE) and not _melt_with_teacher(model):
+                continue  # exit-aware training continues a MELT with its own KD: its teacher must be on record
             defined = definitions.variant("exit", name)
-            runs = [TrainRun(phase, recipe, {**overrides, **(train_overrides or {})}, model)
-                    for phase, recipe, overrides in defined.training_steps(PRESETS[preset]["recipes"])]
+            runs: list[TrainRun] = []
+            for phase, recipe, overrides in defined.training_steps(PRESETS[preset]["recipes"]):
+                runs.append(TrainRun(phase, recipe, {**overrides, **(train_overrides or {})}, runs[-1] if runs else model))
             plans.append(VariantPlan(f"exit/{label}", name, train=runs, base="" if runs else model,
                                      eval_options=dict(defined.eval_options)))
     return plans
+
+
+def _melt_with_teacher(model: "str | TrainRun") -> bool:
+    """A MELT that recorded its teacher: a MELT run of this plan, or a MELT checkpoint directory whose training
+    record names one (registry models such as melt-1.6b record none: `ablate exit` leaves the exit-aware rows out)."""
+    if isinstance(model, TrainRun):
+        return load_recipe(model.recipe).target == "melt"
+    from melt_eval.modeling.loading import checkpoint_model_type
+    from melt_eval.training.build import recorded_teacher
+
+    path = Path(str(model))
+    return (path / "config.json").is_file() and checkpoint_model_type(path) == "melt" and recorded_teacher(path) is not None
 
 
 def _train_command(run: TrainRun, runs_dir: Path) -> str:

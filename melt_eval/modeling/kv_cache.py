@@ -291,15 +291,30 @@ class PerLoopKV:
 
 
 class SharedKV(PerLoopKV):
-    """MELT: one entry per (layer, token); earlier tokens are seen through their final entries."""
+    """MELT: one entry per (layer, token); earlier tokens are seen through their final entries.
+
+    `exit_loops` [B, L] (exit-aware training, docs/method.md#exit-aware-fine-tuning): the loop (1..T) at which
+    each token's entry stops changing, as `--exit` leaves an exited token's entry in generation (the engine
+    simply stops writing a stopped row: modeling/early_exit.py). What a chunk leaves for later chunks is then
+    each token's entry at its exit loop; within its own chunk a token's slot still moves with the loops (at
+    chunk 1, the rule MELT decodes with, only the token itself reads it)."""
 
     needs_base, needs_melt = False, True
+
+    def __init__(self, store, exit_loops: Tensor | None = None) -> None:
+        super().__init__(store)
+        self.exit_loops = exit_loops
 
     def key_value(self, layer, loop, base, melt):
         return layer, melt
 
     def record(self, layer, loop, base, melt) -> None:
-        self.finals[layer] = melt  # the last loop's write wins
+        if self.exit_loops is None or layer not in self.finals:
+            self.finals[layer] = melt  # the last loop's write wins (loop 0 always writes: every exit is >= 1)
+            return
+        past, c = self.store.length, melt[0].shape[2]
+        ran = (self.exit_loops[:, past : past + c] > loop)[:, None, :, None]  # [B, 1, c, 1]: still looping at loop
+        self.finals[layer] = tuple(torch.where(ran, new, kept) for new, kept in zip(melt, self.finals[layer]))
 
 
 class InterpolatedKV(PerLoopKV):
@@ -366,17 +381,22 @@ class PromptPerLoopThenSharedKV:
         self.gen_store.length += c
 
 
-def policy_for(layout, store, *, alpha: float = 1.0, generated_store: StaticStore | None = None):
+def policy_for(layout, store, *, alpha: float = 1.0, generated_store: StaticStore | None = None,
+               exit_loops: Tensor | None = None):
     """The one place a cache layout (`melt_eval.cache_layout.CacheLayout`) becomes an attention rule.
 
     alpha < 1 is phase 1's transition of a shared cache; the "w/ prefill" layout (per-loop prompt,
-    shared generated tokens) prefills with Ouro's rule into `store` and decodes over both stores."""
+    shared generated tokens) prefills with Ouro's rule into `store` and decodes over both stores.
+    `exit_loops` [B, L] freezes each token's shared entry at its loop (exit-aware training, `SharedKV`)."""
+    if exit_loops is not None and (layout.kind != "shared" or alpha != 1.0):
+        raise ValueError(f"exit_loops trains an early exit into a shared cache at alpha 1; this model's cache is "
+                         f"{layout.kind} at alpha {alpha}")
     if alpha != 1.0:
         if layout.kind != "shared":
             raise ValueError(f"alpha < 1 interpolates a shared cache; this model's is {layout.kind}")
         return InterpolatedKV(store, alpha)
     if layout.kind == "shared":
-        return SharedKV(store)
+        return SharedKV(store, exit_loops)
     if layout.kind == "generated_shared" and generated_store is not None:
         return PromptPerLoopThenSharedKV(store, generated_store)
     return PerLoopKV(store)

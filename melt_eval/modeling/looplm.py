@@ -375,6 +375,7 @@ class LoopLMForCausalLM(LoopLMPreTrainedModel):
         compute_logits: bool = True,
         output_attn_outputs: bool | None = None,
         loss_fn=None,
+        exit_loops: Tensor | None = None,
         **kwargs,
     ) -> LoopLMOutput:
         """Teacher-forced forward over [B, L] tokens, chunk by chunk (docs/method.md#chunks).
@@ -389,9 +390,12 @@ class LoopLMForCausalLM(LoopLMPreTrainedModel):
         to output_loop_states.
         loss_fn(lm_head, output) -> LossTerms is evaluated inside forward, where wrappers such as
         FSDP and autocast are active (training's objective); it fills `loss` and `loss_terms`.
+        exit_loops [B, L] (long, 1..T; shared caches at alpha 1 only): the loop after which each token's shared
+        entry stops changing, as `--exit` leaves an exited token's entry for later tokens (exit-aware training,
+        docs/method.md#exit-aware-fine-tuning); every token still runs all T loops for its own outputs.
         """
         layout = self.cache_layout(kv_sharing=kv_sharing)
-        policy = policy_for(layout, TrainingKVBuffer(input_ids.shape[1]), alpha=alpha)
+        policy = policy_for(layout, TrainingKVBuffer(input_ids.shape[1]), alpha=alpha, exit_loops=exit_loops)
         B, L = input_ids.shape
         if chunk_size is None:
             chunk_size = 1 if layout.prefill_chunk_matters else L
@@ -403,6 +407,8 @@ class LoopLMForCausalLM(LoopLMPreTrainedModel):
             m = attention_mask.bool()
             if (m[:, 1:] & ~m[:, :-1]).any():
                 raise ValueError("attention_mask must be right-padded (ones, then zeros) in a teacher-forced forward")
+        if exit_loops is not None and tuple(exit_loops.shape) != (B, L):
+            raise ValueError(f"exit_loops must be [B, L] = {[B, L]} like input_ids, got {list(exit_loops.shape)}")
         position_ids = torch.arange(L, device=input_ids.device).expand(B, L)
         collect_attn = output_loop_states if output_attn_outputs is None else output_attn_outputs
         T, N = self.config.total_ut_steps, self.config.num_hidden_layers
@@ -411,7 +417,8 @@ class LoopLMForCausalLM(LoopLMPreTrainedModel):
         gates = [[[] for _ in range(T)] for _ in range(N)]
         first = min(first_chunk, L)
         starts = ([0] if first else []) + list(range(first, L, chunk_size))
-        if token_step.applies(self, layout, chunk_size):  # compile_token_step: one compiled call per token
+        # compile_token_step: one compiled call per token (it keeps every final entry: not with exit_loops)
+        if exit_loops is None and token_step.applies(self, layout, chunk_size):
             chunks = token_step.token_steps(self.model, input_ids, position_ids, first, policy)
         else:
             chunks = (self.model.run_chunk(input_ids[:, start:end], position_ids[:, start:end], policy,

@@ -43,6 +43,9 @@ class Variant:
     # A recipe of its own instead of phase 1/2, trained from the model the row evaluates: `<recipe>` on the paper
     # recipes, `tiny-<recipe>` on the tiny ones, with `phase1` its overrides (the EXIT rows' fitted gate: exit-gate)
     recipe: str | None = None
+    # recipes run one after another, each from the previous one's output (the EXIT rows' exit-aware chain:
+    # exit-aware, then exit-gate); used instead of `recipe` when set
+    chain: tuple[str, ...] = ()
 
     def training_steps(self, base: str = "paper") -> list[tuple[int, str, dict]]:
         """[(phase, recipe name, overrides), ...] on the "paper" or "tiny" recipes; [] when evaluated as is.
@@ -51,8 +54,10 @@ class Variant:
         """
         if base not in ("paper", "tiny"):
             raise ValueError(f"base must be 'paper' or 'tiny', got {base!r}")
-        if self.recipe is not None:
-            return [(1, self.recipe if base == "paper" else f"{base}-{self.recipe}", dict(self.phase1 or {}))]
+        if self.recipe is not None or self.chain:
+            names = self.chain or (self.recipe,)
+            return [(i + 1, name if base == "paper" else f"{base}-{name}", dict(self.phase1 or {}) if i == 0 else {})
+                    for i, name in enumerate(names)]
         if self.phase1 is None:
             return []
 
@@ -164,6 +169,10 @@ def training_steps(name: str, base: str = "paper") -> list[tuple[int, str, dict]
 EXIT_THRESHOLDS = (0.5, 0.7, 0.9, 0.95, 0.99)
 EXIT_AGREEMENTS = (1, 2, 3)
 FITTED_GATE = "fitted-gate"  # the name prefix of the rows on a fitted gate (the report draws them as their own series)
+# MELT only: the model fine-tuned exit-aware, then its gate fitted (docs/method.md#exit-aware-fine-tuning); the
+# name prefix of those rows (their own series), planned for a MELT that records its teacher (ablations.exit_plan)
+EXIT_AWARE = "exit-aware"
+EXIT_AWARE_THRESHOLDS = (0.7, 0.8, 0.9)
 EXIT = Ablation("exit", "", "Early exit: accuracy against loops per token (beyond the paper)", "Exit rule", (
     Variant("exit", "full", "", "All loops", eval_options={"exit": None}),
     *(Variant("exit", f"gate-{q:g}", "", f"Gate q = {q:g}", eval_options={"exit": f"gate:{q:g}"})
@@ -174,6 +183,10 @@ EXIT = Ablation("exit", "", "Early exit: accuracy against loops per token (beyon
     # one fit per model shared by these rows; the other rows use the checkpoint's gate (MELT's is its teacher's)
     *(Variant("exit", f"{FITTED_GATE}-{q:g}", "", f"Fitted gate q = {q:g}", recipe="exit-gate",
               eval_options={"exit": f"gate:{q:g}"}) for q in EXIT_THRESHOLDS),
+    Variant("exit", f"{EXIT_AWARE}-full", "", "Exit-aware, all loops", chain=("exit-aware", "exit-gate"),
+            eval_options={"exit": None}),
+    *(Variant("exit", f"{EXIT_AWARE}-{q:g}", "", f"Exit-aware, fitted gate q = {q:g}", chain=("exit-aware", "exit-gate"),
+              eval_options={"exit": f"gate:{q:g}"}) for q in EXIT_AWARE_THRESHOLDS),
 ))
 BEYOND_PAPER: dict[str, Ablation] = {KV_COMPRESSION.name: KV_COMPRESSION, EXIT.name: EXIT}
 RUN_ORDER[EXIT.name] = tuple(v.name for v in EXIT.variants)

@@ -13,10 +13,11 @@ from pathlib import Path
 
 from melt_eval.errors import UserError
 from melt_eval.jsonio import read_json
-from melt_eval.protocol.variants import FITTED_GATE
+from melt_eval.protocol.variants import EXIT_AWARE, FITTED_GATE
 from melt_eval.report.paper import canonical_task
 
 FITTED_SUFFIX = " (fitted gate)"  # an exit series on the gate the exit-gate recipe fitted (`ablate exit`'s fitted-gate rows)
+EXIT_AWARE_SUFFIX = " (exit-aware, fitted gate)"  # ablate exit's exit-aware rows: the model fine-tuned for exits, its gate fitted
 
 
 def split_fitted(label: str) -> tuple[str, str]:
@@ -120,6 +121,8 @@ def exit_points(rs: ResultSet) -> dict[tuple[str, str], list[ExitPoint]]:
         label = min(folders or {r.model for r in members}, key=len)
         if all(r.path.parents[1].name.startswith(FITTED_GATE) for r in members):  # ablate exit's fitted-gate rows
             label += FITTED_SUFFIX
+        elif all(r.path.parents[1].name.startswith(EXIT_AWARE) for r in members):  # its exit-aware rows
+            label += EXIT_AWARE_SUFFIX
         out[(label, task)] = sorted(points, key=lambda p: p.mean_loops)
     return dict(sorted(out.items()))
 

@@ -14,7 +14,7 @@ import typer
 def register(app: typer.Typer) -> None:
     @app.command("train")
     def train_cmd(
-        recipe: Optional[str] = typer.Option(None, "--recipe", "-r", help="Recipe name in melt_eval/recipes/ (paper-phase1, paper-phase2, tiny-phase1, tiny-phase2, pretrain-tiny; exit-gate, tiny-exit-gate: fit only Ouro's early-exit gate of a LoopLM or MELT checkpoint to its own loop states, for --exit gate:Q, docs/training.md#fitting-the-exit-gate) or a YAML path. Default: paper-phase<--phase>."),
+        recipe: Optional[str] = typer.Option(None, "--recipe", "-r", help="Recipe name in melt_eval/recipes/ (paper-phase1, paper-phase2, tiny-phase1, tiny-phase2, pretrain-tiny; exit-gate, tiny-exit-gate: fit only Ouro's early-exit gate of a LoopLM or MELT checkpoint to its own loop states, for --exit gate:Q, docs/training.md#fitting-the-exit-gate; tiny-exit-aware: continue a phase-2 MELT with reply tokens' shared-cache entries left at random early loops, as --exit leaves them, recipe keys exit_aware_p and exit_aware_loops, docs/training.md#exit-aware-fine-tuning) or a YAML path. Default: paper-phase<--phase>."),
         from_model: Optional[str] = typer.Option(None, "--from", help="Starting model: a LoopLM (phase 1), a phase-1 MELT checkpoint (phase 2), the architecture to pretrain, or the LoopLM or MELT whose exit gate to fit (default: the recipe's)."),
         output: Path = typer.Option(..., "--output", "-o", help="Run directory: final HF model, checkpoints, logs."),
         gate: Optional[str] = typer.Option(None, "--gate", help="MELT gate when converting: elementwise, scalar, ema, mean, last, first (default: the recipe's)."),

@@ -26,7 +26,8 @@ EXECUTION_FIELDS = {"compile", "log_with"}
 # fields added after run identities were first published, with the value every earlier run had: at that
 # value a field is left out of a run's identity, so a run an older melt-eval trained is found, not retrained
 ADDED_FIELDS = {"prompt_as_one_chunk": False, "kv_heads": None, "exit_gate_k": 50.0, "exit_gate_gamma": 0.005,
-                "lr_schedule_steps": None}
+                "lr_schedule_steps": None,
+                "exit_aware_p": 0.0, "exit_aware_loops": []}
 # what is trained: MELT (converted or continued), a plain LoopLM, or only the early-exit gate of either
 TARGETS = ("melt", "looplm", "exit_gate")
 OVERLONG = ("keep", "truncate", "drop")
@@ -68,6 +69,11 @@ class Recipe:
     # (Ouro's slope k and threshold gamma; docs/method.md#early-exit)
     exit_gate_k: float = 50.0
     exit_gate_gamma: float = 0.005
+    # Exit-aware training (target melt or exit_gate, alpha 1; docs/training.md#exit-aware-fine-tuning): each reply token, with
+    # probability exit_aware_p, leaves its shared-cache entry at a loop drawn uniformly from exit_aware_loops ([]:
+    # 1..T-1), as `--exit` leaves an exited token's entry, so later tokens learn to read such entries. 0: off.
+    exit_aware_p: float = 0.0
+    exit_aware_loops: list = field(default_factory=list)
     # --- data --------------------------------------------------------------------------------
     data: list = field(default_factory=list)  # sources, see melt_eval.training.data.build_source
     seq_len: int = 10_000
@@ -185,6 +191,7 @@ class Recipe:
         if not (math.isfinite(self.exit_gate_k) and self.exit_gate_k > 0 and math.isfinite(self.exit_gate_gamma)):
             bad(f"exit_gate_k must be a finite number > 0 and exit_gate_gamma finite, got {self.exit_gate_k}, "
                 f"{self.exit_gate_gamma}")
+        check_exit_aware(self, bad)
         if self.phase == 2 and self.interpolation_steps:
             bad("phase 2 continues at alpha = 1: set interpolation_steps: 0")
         return self
@@ -206,6 +213,18 @@ class Recipe:
     def needs_loop_states(self) -> bool:
         """Whether the objective reads every loop's hidden state (all-loop KD, alignment, per-loop CE)."""
         return self.kd or self.align_beta > 0 or bool(self.loop_ce_weights) or self.target == "exit_gate"
+
+
+def check_exit_aware(recipe: "Recipe", bad) -> None:
+    """exit_aware_p / exit_aware_loops: a probability, whole loops >= 1, on a MELT at alpha 1 (a shared cache)."""
+    p, loops = recipe.exit_aware_p, recipe.exit_aware_loops
+    if not 0.0 <= p <= 1.0:
+        bad(f"exit_aware_p must be within [0, 1], got {p}")
+    if not (isinstance(loops, list) and all(_is_int(t) and t >= 1 for t in loops)):
+        bad(f"exit_aware_loops must be [] (every loop before the last) or whole loops >= 1, e.g. [2, 3]; got {loops!r}")
+    if p > 0 and (recipe.target not in ("melt", "exit_gate") or recipe.interpolation_steps):
+        bad("exit_aware_p trains MELT to read early-exited entries of its shared cache: it needs target melt "
+            "(or exit_gate, to fit the gate on such a cache) and interpolation_steps: 0 (alpha 1)")
 
 
 # The keys each kind of data source takes (melt_eval.training.data builds them) and the type of each value.

@@ -54,15 +54,17 @@ def lr_factor(step: int, recipe: Recipe) -> float:
 
 
 def forward_objective(model, teacher, batch: dict, recipe: Recipe, step: int, *, n_loss_tokens: float, n_tokens: float,
-                      output_loop_states: bool | None = None, teacher_autocast=contextlib.nullcontext):
+                      output_loop_states: bool | None = None, teacher_autocast=contextlib.nullcontext, micro: int = 0):
     """One micro-batch through student (and teacher) and the recipe's objective at optimiser step `step`.
 
     Returns (LossTerms, student output). The student runs chunk-wise at the step's alpha; the
     teacher (the LoopLM, so chunking does not matter for it) runs without gradients. Neither
-    builds [B, L, V] logits: the objective computes them a block of loss rows at a time.
+    builds [B, L, V] logits: the objective computes them a block of loss rows at a time. With exit_aware_p > 0
+    the student's reply tokens leave their shared entries at drawn loops (`exit_loops`; `micro`, the micro-batch's
+    index in the step, seeds the draw with the recipe's seed and the step, so a resumed run draws the same).
     """
     if recipe.target == "exit_gate":
-        return _exit_gate_objective(model, batch, recipe, n_loss_tokens)
+        return _exit_gate_objective(model, batch, recipe, step, n_loss_tokens, micro)
     if output_loop_states is None:
         output_loop_states = recipe.needs_loop_states()
     ids, attn = batch["input_ids"], batch["attention_mask"]
@@ -81,16 +83,20 @@ def forward_objective(model, teacher, batch: dict, recipe: Recipe, step: int, *,
                          align_beta=recipe.align_beta if teacher_out is not None else 0.0,
                          n_loss_tokens=n_loss_tokens, n_tokens=n_tokens)
 
-    chunk_size, first_chunk = chunks(recipe, batch, getattr(model, "module", model).cache_layout())  # DDP/FSDP wrap it
+    inner = getattr(model, "module", model)  # DDP/FSDP wrap it
+    chunk_size, first_chunk = chunks(recipe, batch, inner.cache_layout())
+    exits = exit_loops(recipe, batch["loss_mask"], inner, (recipe.seed, step, micro))
     out = model(ids, attention_mask=attn, chunk_size=chunk_size, first_chunk=first_chunk, alpha=recipe.alpha(step),
-                output_loop_states=output_loop_states, output_attn_outputs=align, compute_logits=False, loss_fn=loss_fn)
+                output_loop_states=output_loop_states, output_attn_outputs=align, compute_logits=False, loss_fn=loss_fn,
+                exit_loops=exits)
     return out.loss_terms, out
 
 
-def _exit_gate_objective(model, batch: dict, recipe: Recipe, n_loss_tokens: float):
+def _exit_gate_objective(model, batch: dict, recipe: Recipe, step: int, n_loss_tokens: float, micro: int):
     """target exit_gate: the model's own forward (for MELT its chunks and shared cache, by the recipe's chunk rule,
     so the gate sees the states MELT decodes with), every loop's state, Ouro's stage-II objective on the gate.
-    Every weight but the gate's is frozen, so the forward itself records no graph."""
+    Every weight but the gate's is frozen, so the forward itself records no graph. With exit_aware_p > 0 (MELT)
+    earlier reply tokens leave their entries at drawn loops, so the labels come from the cache an exit leaves."""
     from melt_eval.modeling.early_exit import exit_logit
 
     inner = getattr(model, "module", model)  # DDP/FSDP wrap it
@@ -101,9 +107,34 @@ def _exit_gate_objective(model, batch: dict, recipe: Recipe, n_loss_tokens: floa
                                    k=recipe.exit_gate_k, gamma=recipe.exit_gate_gamma, n_loss_tokens=n_loss_tokens)
 
     chunk_size, first_chunk = chunks(recipe, batch, inner.cache_layout())
+    exits = exit_loops(recipe, batch["loss_mask"], inner, (recipe.seed, step, micro))
     out = model(ids, attention_mask=batch["attention_mask"], chunk_size=chunk_size, first_chunk=first_chunk,
-                output_loop_states=True, output_attn_outputs=False, compute_logits=False, loss_fn=loss_fn)
+                output_loop_states=True, output_attn_outputs=False, compute_logits=False, loss_fn=loss_fn,
+                exit_loops=exits)
     return out.loss_terms, out
+
+
+def exit_loops(recipe: Recipe, loss_mask, model, seed: tuple[int, int, int]):
+    """Exit-aware training's draw (docs/training.md#exit-aware-fine-tuning): [B, L] long, the loop each token's
+    shared entry is left at. Reply tokens (loss_mask) stop early with probability exit_aware_p, at a loop drawn
+    uniformly from exit_aware_loops ([]: 1..T-1); the prompt and the rest keep all T loops, as generation
+    prefills the prompt at full depth. None when exit_aware_p is 0 (today's forward)."""
+    if not recipe.exit_aware_p:
+        return None
+    if model.cache_layout().kind != "shared":
+        raise UserError(f"exit_aware_p needs a model with a shared cache (MELT); this {model.config.model_type} "
+                        "checkpoint keeps another: set exit_aware_p: 0")
+    loops = model.config.total_ut_steps
+    choices = recipe.exit_aware_loops or list(range(1, loops))
+    if max(choices, default=0) >= loops or not choices:
+        raise UserError(f"exit_aware_loops must be loops before the model's last (T = {loops}): 1..{loops - 1}; "
+                        f"got {recipe.exit_aware_loops}")
+    recipe_seed, step, micro = seed
+    g = torch.Generator().manual_seed((recipe_seed * 1_000_003 + step) * 1_009 + micro)
+    shape = tuple(loss_mask.shape)
+    early = (torch.rand(shape, generator=g) < recipe.exit_aware_p) & loss_mask.bool().cpu()
+    drawn = torch.tensor(choices)[torch.randint(len(choices), shape, generator=g)]
+    return torch.where(early, drawn, torch.full(shape, loops)).to(loss_mask.device)
 
 
 def chunks(recipe: Recipe, batch: dict, layout) -> tuple[int | None, int]:
@@ -160,7 +191,7 @@ def _accumulate(t: Trainee, batches: list[dict], step: int, n_loss: float, n_tok
         with sync:
             terms, out = forward_objective(t.model, t.teacher, batch, recipe, step, n_loss_tokens=n_loss,
                                            n_tokens=n_tok, output_loop_states=want_states,
-                                           teacher_autocast=accelerator.autocast)
+                                           teacher_autocast=accelerator.autocast, micro=i)
             # every process divided by the global token count; DDP averages gradients over processes
             accelerator.backward(terms.total * t.world)
         for k, v in terms.parts.items():
