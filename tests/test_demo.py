@@ -156,19 +156,19 @@ def test_results_made_with_other_settings_stop_the_demo_with_a_hint(quick_demo, 
 
 def test_beyond_paper_stage_adds_its_rows_to_a_finished_demo_once(quick_demo, monkeypatch):
     """`demo --beyond-paper` on a finished demo: only the stage's rows are evaluated (nothing trained but the fitted
-    gates, the paper's results untouched), each with its option; the report gains the exit figure and table and the
+    gates, exit-aware MELT and GQA-MELT, the paper's results untouched), each with its option; the report gains the exit figure and table and the
     compressed-cache rows; demo.json records the stage's time and rows; a second run evaluates nothing."""
     import melt_eval.generation.backends as backends
     import melt_eval.training.runner as runner
     from melt_eval.experiments import demo
     from melt_eval.protocol import variants
-    from melt_eval.report.results import FITTED_SUFFIX
+    from melt_eval.report.results import EXIT_AWARE_SUFFIX, FITTED_SUFFIX
 
     fits, train = [], runner.train
 
-    def only_the_stage_trains(recipe, *a, **k):  # the gate fits and GQA-MELT; the paper's models are reused
+    def only_the_stage_trains(recipe, *a, **k):  # the gate fits, exit-aware MELT and GQA-MELT; the paper's models are reused
         gqa = recipe.kv_heads == 1 or "kv_heads=1" in str(recipe.from_model)  # its phase 1, or phase 2 from it
-        assert recipe.target == "exit_gate" or gqa, "the trained models must be reused"
+        assert recipe.target == "exit_gate" or recipe.exit_aware_p > 0 or gqa, "the trained models must be reused"
         if recipe.target == "exit_gate":
             fits.append(recipe.from_model)
         return train(recipe, *a, **k)
@@ -182,7 +182,9 @@ def test_beyond_paper_stage_adds_its_rows_to_a_finished_demo_once(quick_demo, mo
     assert all(p.read_text() == text for p, text in before.items())  # the paper's rows were not evaluated again
     exits = {f"exit/{m}/{row}": dict(variants.variant("exit", row).eval_options)
              for m in ("ouro-tiny", "melt-tiny") for row in demo.BEYOND_EXIT}
-    assert len(fits) == 2 and len(set(fits)) == 2  # one gate fit per model, whatever the number of fitted rows
+    exits.update({f"exit/melt-tiny/{row}": dict(variants.variant("exit", row).eval_options) for row in demo.BEYOND_EXIT_AWARE})
+    # one gate fit per model (the teacher, MELT, exit-aware MELT), whatever the number of rows on it
+    assert len(fits) == 3 and len(set(fits)) == 3
     kv = {f"kv-compression/{row}": dict(variants.variant("kv-compression", row).eval_options) for row in demo.BEYOND_KV}
     added = {str(p.relative_to(results / "ablations").parent.parent) for p in set(results.rglob("results.json")) - set(before)}
     assert added == set(exits) | set(kv)
@@ -190,11 +192,11 @@ def test_beyond_paper_stage_adds_its_rows_to_a_finished_demo_once(quick_demo, mo
     for row, option in {**exits, **kv}.items():
         r = json.loads((results / "ablations" / row / "synthetic" / "results.json").read_text())
         assert r["finished"] and r["settings"]["samples"] == 16 and r["num_problems"] == demo.QUICK.problems
-        assert {k: r["settings"][k] for k in option} == option
+        assert {k: r["settings"].get(k) for k in option} == option  # exit None (all loops) is left out of settings
         model = "melt" if "melt" in row else "ouro"
-        if "fitted-gate" not in row and "gqa" not in row:  # those two are evaluated on checkpoints of their own
+        if not any(own in row for own in ("fitted-gate", "exit-aware", "gqa")):  # evaluated on checkpoints of their own
             assert r["model_path"] == json.loads((results / f"{model}-tiny" / "synthetic" / "results.json").read_text())["model_path"]
-        if "exit" in option:  # the loops each generated token ran, between 1 and T
+        if option.get("exit"):  # the loops each generated token ran, between 1 and T
             assert 1 <= r["loops_per_token"]["mean"] <= 4
     summary = json.loads((quick_demo / "demo.json").read_text())
     assert summary["stages_s"]["beyond the paper"] > 0 and set(summary["teacher_pass@1_by_loops"]) == {"2", "4"}
@@ -206,6 +208,9 @@ def test_beyond_paper_stage_adds_its_rows_to_a_finished_demo_once(quick_demo, mo
     melt_int4, melt, ouro = (rows[k]["cache_bytes_per_sequence"] for k in ("kv-compression/melt-int4", "melt-tiny", "ouro-tiny"))
     assert 0 < melt_int4 <= melt == ouro / 4
     assert summary["beyond_paper"]["comparisons"]["melt-int4 bytes / ouro bytes"] == melt_int4 / ouro
+    aim = summary["beyond_paper"]["comparisons"]["exit-aware gate:0.7 vs its full depth"]  # issue 39's aim, as measured
+    assert aim["rows"] == ["exit/melt-tiny/exit-aware-0.7", "exit/melt-tiny/exit-aware-full"]
+    assert aim["difference"] == rows[aim["rows"][0]]["pass@1"] - rows[aim["rows"][1]]["pass@1"]
     report = (quick_demo / "report" / "report.md").read_text()
     assert (quick_demo / "report" / "plots" / "exit.png").stat().st_size > 1000
     assert (quick_demo / "report" / "plots" / "memory_frontier.png").stat().st_size > 1000
@@ -214,8 +219,9 @@ def test_beyond_paper_stage_adds_its_rows_to_a_finished_demo_once(quick_demo, mo
         assert f"| {model} | synthetic | all loops |" in early, model
     for row, option in exits.items():  # a fitted gate is its own series
         model, name = row.split("/")[1:]
-        label = model + (FITTED_SUFFIX if name.startswith(variants.FITTED_GATE) else "")
-        assert f"| {label} | synthetic | {option['exit']} |" in early, (label, option)
+        label = model + (FITTED_SUFFIX if name.startswith(variants.FITTED_GATE)
+                         else EXIT_AWARE_SUFFIX if name.startswith(variants.EXIT_AWARE) else "")
+        assert f"| {label} | synthetic | {option['exit'] or 'all loops'} |" in early, (label, option)
     kv_table = report.split("### Beyond the paper: compressed KV caches")[1].split("###")[0]
     for row in demo.BEYOND_KV:
         label = variants.variant("kv-compression", row).paper_label

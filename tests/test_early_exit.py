@@ -264,6 +264,26 @@ def test_ablate_exit_plans_a_grid_on_ouro_and_melt(tmp_path, monkeypatch):
     assert [p.base or p.train[0].start for p in ablations.plan("exit", "paper", "some/ckpt")] == ["some/ckpt"] * len(rules)
 
 
+def test_ablate_prefill_chunk_reaches_every_evaluation(tmp_path, monkeypatch):
+    """`ablate --prefill-chunk N` (a MELT trained with the prompt whole, e.g. the demo's) reaches the evaluation
+    options; without it every row keeps the one default rule (exact MELT, chunk 1)."""
+    from typer.testing import CliRunner
+
+    import melt_eval.evaluation as evaluation
+    from melt_eval.cli import app
+
+    seen = []
+    monkeypatch.setattr(evaluation, "run_tasks", lambda tasks, model, opts, *a, **k: seen.append(opts.prefill_chunk) or [])
+    monkeypatch.chdir(tmp_path)
+    for flags, want in ((["--prefill-chunk", "112"], 112), ([], 1)):
+        seen.clear()
+        res = CliRunner().invoke(app, ["ablate", "exit", "--preset", "tiny", "--base", "tiny-random-ouro", "--output",
+                                       f"r{want}", "--max-steps", "1", "--no-progress", *flags])  # the gate fit: 1 step
+        assert seen and set(seen) == {want}, (res.output, seen)
+    res = CliRunner().invoke(app, ["ablate", "exit", "--preset", "tiny", "--prefill-chunk", "0", "--dry-run"])
+    assert res.exit_code == 2
+
+
 def _exit_result(root, model, rule, pass1, histogram):
     """A finished results.json as `ablate exit` writes it (results/ablations/exit/<model>/<rule>/synthetic/)."""
     import json

@@ -166,3 +166,20 @@ def test_compiled_layer_step_trains_like_eager_and_may_change_on_resume(tmp_path
     assert logged["loss"] == pytest.approx(la[0]["loss"], rel=1e-5)
     assert [r["loss"] for r in lb] == pytest.approx([r["loss"] for r in la], rel=1e-4)
     assert lb[0]["padding_fraction"] > la[0]["padding_fraction"]  # rows padded to whole chunks of 16
+
+
+def test_a_relative_teacher_is_found_from_another_directory(tmp_path, monkeypatch):
+    """A MELT converted from a relative checkpoint directory (the demo's default output is demo/) records its
+    teacher absolute, so a run that continues it from another directory (phase 2, exit-aware training) finds it."""
+    import shutil
+
+    from melt_eval.modeling.loading import resolve_model_dir
+    from melt_eval.training.build import recorded_teacher
+
+    shutil.copytree(resolve_model_dir("tiny-random-ouro"), tmp_path / "demo" / "teacher")
+    monkeypatch.chdir(tmp_path)
+    cli("train", "--recipe", "tiny-phase1", "--from", "demo/teacher", "--output", "demo/melt", "--max-steps", 1, *FAST)
+    monkeypatch.chdir(tmp_path / "demo")
+    assert recorded_teacher(tmp_path / "demo" / "melt") == str(tmp_path / "demo" / "teacher")
+    cli("train", "--recipe", "tiny-phase2", "--from", "melt", "--output", "melt2", "--max-steps", 1, *FAST)
+    assert json.loads((tmp_path / "demo" / "melt2" / "melt_eval_training.json").read_text())["status"] == "finished"

@@ -118,7 +118,7 @@ def exit_plan(preset: str = "paper", base: str | None = None, train_overrides: d
     for model in [base] if base else EXIT_MODELS[preset]:
         label = Path(str(model).rstrip("/")).name or str(model)
         for name in definitions.RUN_ORDER["exit"]:
-            if name.startswith(definitions.EXIT_AWARE) and not _melt_with_teacher(model):
+            if name.startswith(definitions.EXIT_AWARE) and not melt_with_teacher(model):
                 continue  # exit-aware training continues a MELT with its own KD: its teacher must be on record
             defined = definitions.variant("exit", name)
             runs: list[TrainRun] = []
@@ -129,7 +129,7 @@ def exit_plan(preset: str = "paper", base: str | None = None, train_overrides: d
     return plans
 
 
-def _melt_with_teacher(model: "str | TrainRun") -> bool:
+def melt_with_teacher(model: "str | TrainRun") -> bool:
     """A MELT that recorded its teacher: a MELT run of this plan, or a MELT checkpoint directory whose training
     record names one (registry models such as melt-1.6b record none: `ablate exit` leaves the exit-aware rows out)."""
     if isinstance(model, TrainRun):

@@ -46,6 +46,10 @@ def register(app: typer.Typer) -> None:
         data_dir: Optional[Path] = typer.Option(
             None, "--data-dir", help="Read DIR/<task>.jsonl|.parquet instead of the Hub (default: the Hub, or built in)."),
         seed: int = typer.Option(0, "--seed", help="Evaluation sampling seed."),
+        prefill_chunk: Optional[int] = typer.Option(
+            None, "--prefill-chunk", min=1, help="Prompt tokens per MELT chunk in every evaluation (default: 1, exact "
+            "MELT, one rule for every row). A MELT trained with the prompt as one chunk, as the demo's are, scores far "
+            "lower at 1: pass its seq_len (112 for the demo's) to evaluate it as trained (docs/method.md#prefill)."),
         jobs: int = typer.Option(1, "--jobs", min=1, help="Training runs side by side, each its own process (CPU: one "
                                  "torch thread each, and CPU evaluations likewise, each as soon as its model is trained; "
                                  "GPU: each takes the visible devices, so keep 1)."),
@@ -72,7 +76,8 @@ def register(app: typer.Typer) -> None:
             console(200).print(table)
             return
         eval_kwargs = {k: v for k, v in dict(samples=samples, max_problems=max_problems, max_new_tokens=max_new_tokens,
-                                             data_dir=data_dir, seed=seed).items() if v is not None}
+                                             data_dir=data_dir, seed=seed, prefill_chunk=prefill_chunk).items()
+                       if v is not None}
         ablations.run_variants(variants, runs_dir=runs, output=output, tasks=tasks, backend=backend,
                                eval_kwargs=eval_kwargs, progress=progress, jobs=jobs)
         from rich.markdown import Markdown
@@ -104,11 +109,12 @@ def register(app: typer.Typer) -> None:
         beyond_paper: bool = typer.Option(False, "--beyond-paper", help="Also evaluate the trained teacher and MELT "
                                           "beyond the paper, after its rows: early exit (--exit agree:1, agree:2, gate:0.5, "
                                           "gate:0.9, and gate:0.7, 0.9 on a gate fitted to each model by recipe "
-                                          "tiny-exit-gate), Ouro and MELT with fp8/int8/int4 KV caches, Ouro's cross-loop "
+                                          "tiny-exit-gate), MELT fine-tuned exit-aware (recipe tiny-exit-aware, its gate fitted; all loops, "
+                                          "gate:0.7, gate:0.9), Ouro and MELT with fp8/int8/int4 KV caches, Ouro's cross-loop "
                                           "cache and GQA-MELT (kv_heads 1, both MELT phases trained); the report adds "
-                                          "plots/exit.png and these rows on plots/memory_frontier.png. 20 more "
-                                          "evaluations, 2 gate fits and GQA-MELT's training, so off by default "
-                                          "(docs/demo.md)."),
+                                          "plots/exit.png and these rows on plots/memory_frontier.png. 23 more "
+                                          "evaluations, 3 gate fits, exit-aware MELT's and GQA-MELT's training, so off "
+                                          "by default (docs/demo.md)."),
         progress: bool = typer.Option(True, "--progress/--no-progress", help="Show progress bars (on stderr)."),
     ) -> None:
         """A miniature reproduction on the CPU: teacher, MELT, every ablation, every table and figure, and

@@ -7,8 +7,8 @@
    temperature 1.0, top-p 0.7, pass@1 and pass@10) through LightEval, plus T = 1..4 at inference
    for the loops figure; an evaluation starts as soon as its model is trained, beside the runs still
    training (`ablations.train_and_evaluate`);
-4. with --beyond-paper, evaluation-only rows beyond the paper on the trained teacher and MELT: early exit
-   (rows of `protocol.variants.EXIT`, by name) and compressed KV caches (rows of `KV_COMPRESSION`);
+4. with --beyond-paper, rows beyond the paper on the trained teacher and MELT: early exit (rows of
+   `protocol.variants.EXIT`, by name, exit-aware MELT among them) and compressed KV caches (`KV_COMPRESSION`);
 5. the report: every table, the LaTeX and markdown, the figures; the paper's own tables beside.
 
 Everything is cached under OUTPUT: a second run skips finished training and evaluation and only
@@ -51,6 +51,9 @@ EVAL = dict(samples=16, temperature=1.0, top_p=0.7)
 # own exit gate as it is (never trained in the demo: pretrain-tiny freezes it, MELT inherits it), "fitted-gate"
 # first fits that gate to the model's own loops (recipe tiny-exit-gate, Ouro's stage II; one fit per model).
 BEYOND_EXIT = ("agree-1", "agree-2", "gate-0.5", "gate-0.9", "fitted-gate-0.7", "fitted-gate-0.9")
+# MELT only: MELT fine-tuned exit-aware (tiny-exit-aware), then its gate fitted, at full depth and two gate
+# thresholds: issue 39's aim (a trained gate within 2 se of full depth at <= 75% of the loops) read from the same run
+BEYOND_EXIT_AWARE = ("exit-aware-full", "exit-aware-0.7", "exit-aware-0.9")
 # every compressed cache of KV_COMPRESSION (issue 40's demo aims: MELT int8 against MELT, Ouro int4 against MELT,
 # MELT int4's bytes against Ouro's) and GQA-MELT, the one row that trains (both MELT phases with kv_heads: 1);
 # the uncompressed rows are the paper's runs (KV_COMPRESSION's fallbacks), not evaluated again
@@ -98,11 +101,12 @@ def beyond_paper_plans(teacher_made_by: TrainRun, made_by: dict[str, TrainRun], 
 
     exits = []
     for name, model in made_by.items():
-        for row in BEYOND_EXIT:
+        for row in BEYOND_EXIT + (BEYOND_EXIT_AWARE if ablations.melt_with_teacher(model) else ()):
             defined = definitions.variant("exit", row)
-            # --quick's step cap applies to a gate fit as to MELT's phases
-            train = [TrainRun(phase, recipe, {**overrides, **(melt_overrides or {})}, model)
-                     for phase, recipe, overrides in defined.training_steps("tiny")]
+            # --quick's step cap applies to a gate fit as to MELT's phases; a chain's run starts from the one before
+            train: list[TrainRun] = []
+            for phase, recipe, overrides in defined.training_steps("tiny"):
+                train.append(TrainRun(phase, recipe, {**overrides, **(melt_overrides or {})}, train[-1] if train else model))
             exits.append(ablations.VariantPlan(f"exit/{name}", row, train=train, base="" if train else str(runs / model.run_id),
                                                eval_options=dict(defined.eval_options)))
     kv = {v.name: v for v in ablations.plan("kv-compression", "tiny", teacher_made_by, melt_overrides, seed=seed)}
@@ -163,7 +167,7 @@ def _run_demo(output: Path, quick: bool, progress: bool, seed: int, threads: int
     beyond = []
     if beyond_paper:
         say("beyond the paper", f"[3/{steps}] beyond the paper, on the trained models: early exit ({', '.join(BEYOND_EXIT)}) "
-            f"on the teacher and MELT, and compressed KV caches ({', '.join(BEYOND_KV)})")
+            f"on the teacher and MELT, exit-aware MELT ({', '.join(BEYOND_EXIT_AWARE)}), and compressed KV caches ({', '.join(BEYOND_KV)})")
         beyond = beyond_paper_plans(teacher_made_by, {"ouro-tiny": teacher_made_by, "melt-tiny": full.train[-1]}, runs,
                                     melt_overrides, seed)
         _queue([run for v in beyond for run in v.train], ablations.variant_evaluations(beyond, runs, results), runs,
@@ -282,7 +286,8 @@ def _beyond_summary(measured, results: Path, plans: list) -> dict:
         se = _paired_stderr({TASK: problem_scores(got[a])}, {TASK: problem_scores(got[b])})
         return {"rows": [a, b], "difference": diff, "paired_stderr": se, "in_stderr": diff / se if se else None}
 
-    comparisons = {"melt-int8 vs melt": gap("kv-compression/melt-int8", "melt-tiny"),
+    comparisons = {"exit-aware gate:0.7 vs its full depth": gap("exit/melt-tiny/exit-aware-0.7", "exit/melt-tiny/exit-aware-full"),
+                   "melt-int8 vs melt": gap("kv-compression/melt-int8", "melt-tiny"),
                    "ouro-int4 vs melt": gap("kv-compression/ouro-int4", "melt-tiny")}
     if "kv-compression/melt-int4" in rows and "ouro-tiny" in rows:
         comparisons["melt-int4 bytes / ouro bytes"] = (rows["kv-compression/melt-int4"]["cache_bytes_per_sequence"]

@@ -109,7 +109,9 @@ def build_models(recipe: Recipe):
             raise UserError(f"the teacher must be a LoopLM (Ouro) checkpoint; {teacher_ref} is {checkpoint_model_type(teacher_dir)!r}")
         teacher, _ = load_model(teacher_dir)
         info["teacher_path"] = str(teacher_dir)
-    info["teacher"] = teacher_ref
+    # a checkpoint directory is recorded absolute: a run continued from elsewhere (phase 2, exit-aware training of
+    # the demo's relative demo/runs/...) finds the same teacher; registry names and Hub ids stay as given
+    info["teacher"] = str(Path(teacher_ref).resolve()) if teacher_ref and Path(teacher_ref).is_dir() else teacher_ref
     if teacher is not None:
         check_teacher(student, teacher)
         teacher.eval().requires_grad_(False)
