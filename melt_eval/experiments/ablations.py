@@ -121,12 +121,19 @@ def exit_plan(preset: str = "paper", base: str | None = None, train_overrides: d
             if name.startswith(definitions.EXIT_AWARE) and not melt_with_teacher(model):
                 continue  # exit-aware training continues a MELT with its own KD: its teacher must be on record
             defined = definitions.variant("exit", name)
-            runs: list[TrainRun] = []
-            for phase, recipe, overrides in defined.training_steps(PRESETS[preset]["recipes"]):
-                runs.append(TrainRun(phase, recipe, {**overrides, **(train_overrides or {})}, runs[-1] if runs else model))
+            runs = chained_runs(defined, PRESETS[preset]["recipes"], model, train_overrides)
             plans.append(VariantPlan(f"exit/{label}", name, train=runs, base="" if runs else model,
                                      eval_options=dict(defined.eval_options)))
     return plans
+
+
+def chained_runs(defined, recipes: str, start: "str | TrainRun", extra: dict | None) -> list[TrainRun]:
+    """A beyond-the-paper variant's training runs on the "paper" or "tiny" `recipes`: each run starts from the one
+    before (a chain: exit-aware training, then its gate fit), the first from `start`; `extra` overrides each."""
+    runs: list[TrainRun] = []
+    for phase, recipe, overrides in defined.training_steps(recipes):
+        runs.append(TrainRun(phase, recipe, {**overrides, **(extra or {})}, runs[-1] if runs else start))
+    return runs
 
 
 def melt_with_teacher(model: "str | TrainRun") -> bool:

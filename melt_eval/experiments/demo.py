@@ -103,10 +103,7 @@ def beyond_paper_plans(teacher_made_by: TrainRun, made_by: dict[str, TrainRun], 
     for name, model in made_by.items():
         for row in BEYOND_EXIT + (BEYOND_EXIT_AWARE if ablations.melt_with_teacher(model) else ()):
             defined = definitions.variant("exit", row)
-            # --quick's step cap applies to a gate fit as to MELT's phases; a chain's run starts from the one before
-            train: list[TrainRun] = []
-            for phase, recipe, overrides in defined.training_steps("tiny"):
-                train.append(TrainRun(phase, recipe, {**overrides, **(melt_overrides or {})}, train[-1] if train else model))
+            train = ablations.chained_runs(defined, "tiny", model, melt_overrides)  # --quick's step cap applies to fits too
             exits.append(ablations.VariantPlan(f"exit/{name}", row, train=train, base="" if train else str(runs / model.run_id),
                                                eval_options=dict(defined.eval_options)))
     kv = {v.name: v for v in ablations.plan("kv-compression", "tiny", teacher_made_by, melt_overrides, seed=seed)}
