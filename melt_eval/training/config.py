@@ -171,12 +171,11 @@ class Recipe:
         if self.prompt_as_one_chunk and self.compile and self.chunk_size > 1:  # at 0 (C = L) the prompt is in the one chunk
             bad("compile pads micro-batches to whole chunks from the first token; set prompt_as_one_chunk: false "
                 "(or chunk_size: 1) to compile")
-        if self.kv_heads is not None and (isinstance(self.kv_heads, bool) or not isinstance(self.kv_heads, int) or self.kv_heads < 1):
+        if self.kv_heads is not None and not (_is_int(self.kv_heads) and self.kv_heads >= 1):
             bad(f"kv_heads must be a whole number >= 1 (or null), got {self.kv_heads!r}")
         if self.kv_heads is not None and self.target != "melt":
             bad("kv_heads converts a LoopLM to a grouped-query MELT: it applies to target melt only")
-        if self.lr_schedule_steps is not None and (isinstance(self.lr_schedule_steps, bool)
-                                                   or not isinstance(self.lr_schedule_steps, int) or self.lr_schedule_steps < 1):
+        if self.lr_schedule_steps is not None and not (_is_int(self.lr_schedule_steps) and self.lr_schedule_steps >= 1):
             bad(f"lr_schedule_steps must be a whole number >= 1 (or null: max_steps), got {self.lr_schedule_steps!r}")
         if not self.data:
             bad("data must list at least one source (see the recipes in melt_eval/recipes/)")
