@@ -311,6 +311,25 @@ def test_sandbox_limits_and_output_cap(backend):
     assert bomb.passed and 0 < int(bomb.stdout) < SandboxLimits().max_processes
 
 
+def test_the_hosts_processes_do_not_count_against_a_check(backend):
+    """The process limit counts the check's own processes: the program's user may already run more than
+    `max_processes` processes on the host (other checks still being reaped, a daemon as `nobody`, the user's
+    shell), and a completion that starts a thread and a child must still pass. Bubblewrap once took the limit
+    before its user namespace existed, so it counted the host's and refused such completions at random."""
+    from melt_eval.evaluation.sandbox import NOBODY
+
+    user = NOBODY if os.geteuid() == 0 else None  # the program runs as nobody under root, else as the user
+    sleepers = [subprocess.Popen(["sleep", "60"], user=user) for _ in range(SandboxLimits().max_processes + 4)]
+    try:
+        out = run_python("import os, threading\nt = threading.Thread(target=print)\nt.start()\nt.join()\n"
+                         "if os.fork() == 0:\n    os._exit(0)\nos.wait()\nprint('ok')")
+        assert out.passed and out.stdout.split() == ["ok"], out.stderr
+    finally:
+        for proc in sleepers:
+            proc.kill()
+            proc.wait()
+
+
 def test_the_standard_library_humaneval_uses_works(backend):
     """The new root exposes what Python needs: C extensions and their libraries (hashlib's libcrypto), threads."""
     md5 = {  # HumanEval/162, the one problem that needs OpenSSL

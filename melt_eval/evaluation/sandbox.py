@@ -21,8 +21,9 @@ Per check on the launcher (the child side is `sandbox_launcher.py`):
   capability left), dies with the launcher, reaps and keeps the wall-clock deadline. When it exits the
   kernel kills everything left in the namespace, so nothing the program started (setsid or not)
   outlives the check;
-* the program's process takes the rlimits (CPU, address space, processes (counted per user namespace), open files,
-  file size, no core) and execs Python, whose first code (`_RUNNER`) installs a seccomp filter refusing
+* the program's process takes the rlimits (CPU, address space, open files, file size, no core) and execs
+  Python, whose first code (`_RUNNER`) takes the process limit (inside the check's user namespace, where it
+  counts this check's processes and no other of its user's on the host) and installs a seccomp filter refusing
   execve, socket of every family, namespace-making clone/unshare/setns, mount, ptrace, prctl, bpf,
   io_uring and the like, then runs the program.
 
@@ -204,7 +205,7 @@ def run_check(code: str, check_source: str, entry_point: str, limits: SandboxLim
     return _run(code, limits or SandboxLimits(), (check_source, entry_point), backend())
 
 
-def _run(program: str, limits: SandboxLimits, serve: tuple[str, str] | None, how: str, retries: int = 3) -> SandboxResult:
+def _run(program: str, limits: SandboxLimits, serve: tuple[str, str] | None, how: str) -> SandboxResult:
     strict = not _unsafe
     python, prefix = _interpreter()
     token = secrets.token_hex(16).encode()
@@ -312,11 +313,6 @@ def _run(program: str, limits: SandboxLimits, serve: tuple[str, str] | None, how
         layers["unsafe_local_exec"] = not strict
         layers["backend"] = how
         if how == "bwrap" and seccomp_line != b"seccomp" and _read_head(workdir / "stderr", 6) == "bwrap:":
-            if retries and "Resource temporarily unavailable" in _read_head(workdir / "stderr", 400):
-                # EAGAIN at bwrap's fork: the previous check's processes (same user, counted by RLIMIT_NPROC)
-                # are still being reaped after their SIGKILL; wait for them rather than leave bubblewrap
-                time.sleep(0.2)
-                return _run(program, limits, serve, how, retries - 1)
             return _run(program, limits, serve, "launcher")  # bwrap could not set up here: the launcher names why
         refused = next((m for m in messages if "refused" in m), None)
         if refused is not None:

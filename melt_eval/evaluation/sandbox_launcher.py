@@ -166,6 +166,12 @@ _RUNNER = r"""
 def _melt_eval_runner():
     import os, sys
     path, bpf, strict, serve = sys.argv[1], bytes.fromhex(sys.argv[2]), sys.argv[3] == "strict", sys.argv[4]
+    import resource
+    # the process limit taken here, inside the check's user namespace, counts this check's processes only; set
+    # before bwrap made that namespace, it would count every process `nobody` has on the host (the previous
+    # check's, still being reaped, included) and refuse a legitimate thread or fork at random
+    nproc = int(sys.argv[5])
+    resource.setrlimit(resource.RLIMIT_NPROC, (nproc, nproc))
     token = b""
     while not serve:
         chunk = os.read(0, 256)
@@ -344,7 +350,7 @@ def _launch(config: dict) -> None:
            "PYTHONDONTWRITEBYTECODE": "1"}
     python = config["python"] if inside else config["host_python"]
     argv = [python, "-I", "-S", "-B", "-c", _RUNNER, "program.py", config["bpf"], "strict" if strict else "unsafe",
-            config.get("serve") or ""]
+            config.get("serve") or "", str(limits["max_processes"])]
     uid, gid = config["uid"], config["gid"]
     layers["unprivileged"] = uid != 0  # as root: nobody; else the user, with no capability left after exec
     lifeline_r, lifeline_w = (high(fd) for fd in os.pipe())
@@ -404,7 +410,8 @@ BWRAP_ALLOWS = ("execve", "execveat", "prctl", "seccomp")  # until the runner's 
 def _bwrap(config: dict) -> None:
     """Runs as `python -I -S sandbox_launcher.py --bwrap CONFIG`: the same containment through bubblewrap.
 
-    Waits for the harness (which moves this process into the check's memory cgroup), takes the rlimits,
+    Waits for the harness (which moves this process into the check's memory cgroup), takes the rlimits but
+    the process limit (the runner takes that inside bwrap's user namespace),
     becomes `nobody` when the harness is root (bwrap then makes an unprivileged user namespace), puts the
     program's pipes on fds 3 and 4 and execs bwrap: all namespaces, a read-only root of the same system paths,
     /sandbox, a 16 MiB /tmp, the same devices, no /proc, dies with the harness, and the seccomp filter passed
@@ -429,9 +436,8 @@ def _bwrap(config: dict) -> None:
     cpu = max(1, int(limits["cpu_s"]))
     for res, value in ((resource.RLIMIT_CPU, (cpu, cpu + 1)), (resource.RLIMIT_AS, (space,) * 2),
                        (resource.RLIMIT_NOFILE, (limits["max_open_files"],) * 2), (resource.RLIMIT_MSGQUEUE, (0, 0)),
-                       (resource.RLIMIT_FSIZE, (limits["max_file_bytes"],) * 2), (resource.RLIMIT_CORE, (0, 0)),
-                       (resource.RLIMIT_NPROC, (limits["max_processes"],) * 2)):
-        resource.setrlimit(res, value)
+                       (resource.RLIMIT_FSIZE, (limits["max_file_bytes"],) * 2), (resource.RLIMIT_CORE, (0, 0))):
+        resource.setrlimit(res, value)  # RLIMIT_NPROC: the runner takes it inside bwrap's user namespace
     filter_r, filter_w = (high(fd) for fd in os.pipe())
     os.write(filter_w, bytes.fromhex(config["bwrap_bpf"]))  # a few hundred bytes: fits the pipe
     os.close(filter_w)
@@ -457,7 +463,8 @@ def _bwrap(config: dict) -> None:
                        "PYTHONHASHSEED": "0", "PYTHONDONTWRITEBYTECODE": "1"}.items():
         args += ["--setenv", key, value]
     args += ["--seccomp", "5", "--", config["bwrap_python"], "-I", "-S", "-B", "-c", _RUNNER, "program.py",
-             config["bpf"], "strict" if config["strict"] else "unsafe", config.get("serve") or ""]
+             config["bpf"], "strict" if config["strict"] else "unsafe", config.get("serve") or "",
+             str(limits["max_processes"])]
     os.execv(args[0], args)
 
 
