@@ -1,6 +1,8 @@
 """Shared test setup: an isolated model cache and offline Hugging Face libraries."""
 
+import atexit
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -11,7 +13,9 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-os.environ.setdefault("MELT_EVAL_HOME", tempfile.mkdtemp(prefix="melt-eval-test-home-"))
+if "MELT_EVAL_HOME" not in os.environ:  # a throw-away home, removed when the session ends
+    os.environ["MELT_EVAL_HOME"] = tempfile.mkdtemp(prefix="melt-eval-test-home-")
+    atexit.register(shutil.rmtree, os.environ["MELT_EVAL_HOME"], ignore_errors=True)
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED_BENCHMARKS = REPO.parent / "shared" / "benchmarks"
