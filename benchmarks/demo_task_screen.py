@@ -43,6 +43,10 @@ def main() -> None:
     ap.add_argument("--loops", default="1,2,3,4", help="T at inference, in the order evaluated")
     ap.add_argument("--out", required=True)
     ap.add_argument("--melt", action="store_true", help="convert the teacher to MELT as the demo does, and score it")
+    ap.add_argument("--save-every", type=int, default=None,
+                    help="keep a checkpoint every N steps and score each at --checkpoint-loops (a longer teacher's "
+                         "trajectory in one run)")
+    ap.add_argument("--checkpoint-loops", default="1,4", help="T at which each kept checkpoint is scored")
     a = ap.parse_args()
     import torch
 
@@ -52,7 +56,8 @@ def main() -> None:
     data = [{"source": "synthetic", "n": a.train_n, "num_steps": [lo, hi], "max_value": a.max_value,
              "form": a.form, "target": "solution"}]
     overrides = {"data": data, "seq_len": a.seq_len, "batch_tokens": 16 * a.seq_len, "max_steps": a.max_steps,
-                 "save_every": a.max_steps, "lr_schedule_steps": a.lr_schedule_steps,
+                 "save_every": a.save_every or a.max_steps, "lr_schedule_steps": a.lr_schedule_steps,
+                 **({"keep_checkpoints": a.max_steps // a.save_every} if a.save_every else {}),
                  **({"seed": a.seed} if a.seed else {})}
     record = {"form": a.form, "max_value": a.max_value, "steps": [lo, hi], "overrides": overrides,
               "load_start": os.getloadavg()}
@@ -68,6 +73,8 @@ def main() -> None:
         record["load_end"] = os.getloadavg()
     else:  # the teacher was screened before: keep its figures
         record = json.loads((out / "screen.json").read_text())
+    if a.save_every:
+        record["checkpoints"] = score_checkpoints(out / "train", a)
     if a.melt:
         record["melt"] = convert(out, data, a)
     print(json.dumps(record))
@@ -92,6 +99,23 @@ def convert(out: Path, data: list, a) -> dict:
     rec["teacher, last loop w/ prefill"] = evaluate(out / "train", a, loops_list="4", kv_sharing="last")
     rec["load_end"] = os.getloadavg()
     return rec
+
+
+def score_checkpoints(run: Path, a) -> dict:
+    """pass@1 of every kept checkpoint (checkpoints/step-N/state) at --checkpoint-loops: its weights beside
+    the finished run's config and tokenizer in a scratch directory, scored as the final model is."""
+    import shutil
+
+    scores = {}
+    for state in sorted(run.glob("checkpoints/step-*/state/model.safetensors")):
+        step = int(state.parents[1].name.split("-")[1])
+        scratch = run.parent / f"scored-step-{step}"
+        if not scratch.exists():
+            shutil.copytree(run, scratch, ignore=shutil.ignore_patterns("checkpoints", "logs"))
+            shutil.copy(state, scratch / "model.safetensors")
+            (scratch / "SHA256SUMS").unlink(missing_ok=True)  # they name the final weights
+        scores[step] = evaluate(scratch, a, loops_list=a.checkpoint_loops)
+    return scores
 
 
 def evaluate(checkpoint: Path, a, loops_list: str | None = None, kv_sharing: str | None = None) -> dict:
