@@ -38,6 +38,9 @@ def main() -> None:
                     help="the cosine's length when training stops before it ends (recipe lr_schedule_steps)")
     ap.add_argument("--loop-ce-weights", default=None,
                     help="the teacher's weight on each loop's exit, e.g. 0.1,0.2,0.3,0.4 (the recipe's: 0.4,0.3,0.2,0.1)")
+    ap.add_argument("--model-overrides", default=None,
+                    help='a larger teacher, as JSON config fields, e.g. \'{"hidden_size": 256, "intermediate_size": 512, '
+                         '"num_attention_heads": 4, "num_key_value_heads": 4}\' (recipe model_overrides)')
     ap.add_argument("--problems", type=int, default=50)
     ap.add_argument("--samples", type=int, default=4)
     ap.add_argument("--seed", type=int, default=0)
@@ -61,7 +64,8 @@ def main() -> None:
                  "save_every": a.save_every or a.max_steps, "lr_schedule_steps": a.lr_schedule_steps,
                  **({"keep_checkpoints": a.max_steps // a.save_every} if a.save_every else {}),
                  **({"seed": a.seed} if a.seed else {}),
-                 **({"loop_ce_weights": [float(w) for w in a.loop_ce_weights.split(",")]} if a.loop_ce_weights else {})}
+                 **({"loop_ce_weights": [float(w) for w in a.loop_ce_weights.split(",")]} if a.loop_ce_weights else {}),
+                 **({"model_overrides": json.loads(a.model_overrides)} if a.model_overrides else {})}
     record = {"form": a.form, "max_value": a.max_value, "steps": [lo, hi], "overrides": overrides,
               "load_start": os.getloadavg()}
     started = time.perf_counter()
