@@ -164,9 +164,8 @@ LINE_BYTES = 16 << 20  # the largest call or answer that crosses (a line of JSON
 # trusted checker sends on fd 4 is answered on fd 3, as data (CODEC), until fd 4 closes.
 _RUNNER = r"""
 def _melt_eval_runner():
-    import os, sys
+    import os, resource, sys
     path, bpf, strict, serve = sys.argv[1], bytes.fromhex(sys.argv[2]), sys.argv[3] == "strict", sys.argv[4]
-    import resource
     # the process limit taken here, inside the check's user namespace, counts this check's processes only; set
     # before bwrap made that namespace, it would count every process `nobody` has on the host (the previous
     # check's, still being reaped, included) and refuse a legitimate thread or fork at random
@@ -367,15 +366,7 @@ def _launch(config: dict) -> None:
             program = os.fork()
             if program == 0:
                 os.setsid()  # no controlling terminal
-                cpu = max(1, int(limits["cpu_s"]))
-                for res, value in ((resource.RLIMIT_CPU, (cpu, cpu + 1)),
-                                   (resource.RLIMIT_AS, (space,) * 2),
-                                   (resource.RLIMIT_NOFILE, (limits["max_open_files"],) * 2),
-                                   (resource.RLIMIT_MSGQUEUE, (0, 0)),
-                                   (resource.RLIMIT_FSIZE, (limits["max_file_bytes"],) * 2),
-                                   (resource.RLIMIT_CORE, (0, 0)),
-                                   (resource.RLIMIT_NPROC, (limits["max_processes"],) * 2)):
-                    resource.setrlimit(res, value)
+                _take_rlimits(limits, space)
                 os.dup2(result, 3)
                 if calls is not None:
                     os.dup2(calls, 4)
@@ -433,11 +424,7 @@ def _bwrap(config: dict) -> None:
     space = limits["memory_bytes"] if bound == b"g" else limits["memory_bytes"] // max(1, limits["max_processes"])
     layers["memory_bound"] = "cgroup" if bound == b"g" else "address_space_budget"
     os.write(status, (json.dumps({"stage": "bwrap", "layers": layers}) + "\n").encode())
-    cpu = max(1, int(limits["cpu_s"]))
-    for res, value in ((resource.RLIMIT_CPU, (cpu, cpu + 1)), (resource.RLIMIT_AS, (space,) * 2),
-                       (resource.RLIMIT_NOFILE, (limits["max_open_files"],) * 2), (resource.RLIMIT_MSGQUEUE, (0, 0)),
-                       (resource.RLIMIT_FSIZE, (limits["max_file_bytes"],) * 2), (resource.RLIMIT_CORE, (0, 0))):
-        resource.setrlimit(res, value)  # RLIMIT_NPROC: the runner takes it inside bwrap's user namespace
+    _take_rlimits(limits, space)
     filter_r, filter_w = (high(fd) for fd in os.pipe())
     os.write(filter_w, bytes.fromhex(config["bwrap_bpf"]))  # a few hundred bytes: fits the pipe
     os.close(filter_w)
@@ -466,6 +453,16 @@ def _bwrap(config: dict) -> None:
              config["bpf"], "strict" if config["strict"] else "unsafe", config.get("serve") or "",
              str(limits["max_processes"])]
     os.execv(args[0], args)
+
+
+def _take_rlimits(limits: dict, space: int) -> None:
+    """The program's rlimits, both backends, all but the process limit: the runner takes that inside the
+    check's user namespace, where it counts the check's own processes only."""
+    cpu = max(1, int(limits["cpu_s"]))
+    for res, value in ((resource.RLIMIT_CPU, (cpu, cpu + 1)), (resource.RLIMIT_AS, (space,) * 2),
+                       (resource.RLIMIT_NOFILE, (limits["max_open_files"],) * 2), (resource.RLIMIT_MSGQUEUE, (0, 0)),
+                       (resource.RLIMIT_FSIZE, (limits["max_file_bytes"],) * 2), (resource.RLIMIT_CORE, (0, 0))):
+        resource.setrlimit(res, value)
 
 
 def _become(libc, uid: int, gid: int) -> None:
