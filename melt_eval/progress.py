@@ -129,8 +129,9 @@ def training_progress(enabled: bool = True):
 
 
 @contextmanager
-def task_progress(title: str, problems: int, samples: int, enabled: bool = True):
-    """Yields `on_batch(problems_finished, tokens_generated)`."""
+def task_progress(title: str, problems: int, samples: int, enabled: bool = True, done: int = 0):
+    """Yields `on_batch(problems_finished, tokens_generated)`; `done`: problems an earlier, interrupted run
+    finished (the count starts there, and the ETA counts only what this run does)."""
     if not enabled:
         yield lambda done, tokens: None
         return
@@ -139,7 +140,7 @@ def task_progress(title: str, problems: int, samples: int, enabled: bool = True)
     bar = progress_display("problems", line=lambda f: f"x{f['samples']} samples  {f['tokens']:,} tokens generated",
                            rich_columns=(TextColumn("problems x{task.fields[samples]}  {task.fields[tokens]} tok"),))
     with bar:
-        task = bar.add_task(title, total=problems, samples=samples, tokens=0)
+        task = bar.add_task(title, total=problems, completed=done, samples=samples, tokens=0)
         tokens = 0
 
         def on_batch(done: int, new_tokens: int) -> None:

@@ -60,6 +60,8 @@ def serve_command(model: str, *, host: str | None = None, port: int = 8000, serv
     from melt_eval.modeling.loading import checkpoint_model_type, parse_model_ref, resolve_model_dir
     from melt_eval.registry import MODELS
 
+    if not 1 <= port <= 65535:  # before the model is looked up: a TCP port is 16 bits
+        raise UserError(f"--port must be a TCP port from 1 to 65535, got {port}")
     model_dir = resolve_model_dir(model)
     model_type = checkpoint_model_type(model_dir)
     if (loops is not None or kv_sharing or prefill_chunk is not None) and model_type not in LOOPED:
@@ -70,7 +72,7 @@ def serve_command(model: str, *, host: str | None = None, port: int = 8000, serv
         layout = layout_of(config, loops=loops, kv_sharing=kv_sharing, share_prompt=kv_sharing is not None)
     if prefill_chunk is not None and not layout.prefill_chunk_matters:
         raise UserError("--prefill-chunk applies where the KV cache is shared across loops: MELT, or Ouro with --kv-sharing")
-    for flag, value in (("--loops", loops), ("--prefill-chunk", prefill_chunk), ("--port", port),
+    for flag, value in (("--loops", loops), ("--prefill-chunk", prefill_chunk),
                         ("--max-model-len", max_model_len), ("--kv-cache-bytes", kv_cache_bytes),
                         ("--tensor-parallel-size", tensor_parallel_size), ("--data-parallel-size", data_parallel_size)):
         if value is not None and value < 1:

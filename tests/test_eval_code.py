@@ -614,6 +614,70 @@ def test_a_check_stays_under_its_memory_bound(bound, monkeypatch, backend):
         assert not run_python(f"import os\n{attempt}").passed, attempt
 
 
+# Issue 52's attack on the trusted checker: the completion forks a child that holds memory inside the check,
+# and its function answers with one 16 MiB line of nested empty lists, which the checker parsed outside the bound.
+CHECKER_ATTACK = """
+import os, time
+if os.fork() == 0:
+    held = []
+    try:
+        for _ in range(40):
+            held.append(bytes([len(held) + 1]) * (8 << 20))  # written: resident, not just reserved
+    except MemoryError:
+        pass
+    time.sleep(6)
+    os._exit(0)
+time.sleep(1)
+def add(a, b):
+    line = b'{"v": [' + b'[],' * ((16 << 20) // 3 - 8) + b'[]]}\\n'
+    view = memoryview(line)
+    while view:
+        view = view[os.write(3, view):]
+    return 0
+"""
+DEEP_ANSWER = ("import os\ndef add(a, b):\n    os.write(3, b'{\"v\": ' + b'[' * 200000 + b']' * 200000 + b'}\\n')\n"
+               "    return 0\n")
+
+
+@pytest.mark.parametrize("bound", ["cgroup", "address_space_budget"])
+def test_the_trusted_checker_counts_inside_the_checks_memory_bound(bound, monkeypatch, backend):
+    """The whole process tree of a HumanEval check (launcher, program, its child and the trusted checker) stays
+    under the check's bound during issue 52's attack; the checker reads no answer over 1 MiB or nested deeper
+    than ANSWER_DEPTH, and the attack fails."""
+    import threading
+
+    from melt_eval.evaluation import sandbox
+    from melt_eval.evaluation.sandbox import run_check
+
+    if bound == "cgroup" and sandbox._memory_cgroup_parent() is None:
+        pytest.skip("no memory cgroup the harness can make here")
+    if bound != "cgroup":
+        monkeypatch.setattr(sandbox, "_new_cgroup", lambda memory_bytes: None)
+    limits = SandboxLimits(timeout_s=20, memory_bytes=384 << 20, max_processes=6)
+    source = PROBLEM["test"]
+    out, peak, done = {}, [0, []], threading.Event()
+
+    def watch():
+        while not done.is_set():
+            peak[:] = max(peak, list(_descendants_pss()))
+            time.sleep(0.02)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        out["flood"] = run_check(CHECKER_ATTACK, source, "add", limits)
+        out["deep"] = run_check(DEEP_ANSWER, source, "add", limits)
+    finally:
+        done.set()
+        watcher.join()
+    assert peak[0] <= limits.memory_bytes + (16 << 20), (peak[0] >> 20, peak[1])  # slack: one step in flight
+    assert out["flood"].layers["memory_bound"] == bound
+    assert not out["flood"].passed and "answered more than 1 MiB" in out["flood"].check_output, out["flood"]
+    assert not out["deep"].passed and "nests more than" in out["deep"].check_output, out["deep"]
+    # a correct completion still passes under the same bound
+    assert run_check(PROBLEM["prompt"] + PROBLEM["canonical_solution"], source, "add", limits).passed
+
+
 def test_a_killed_harness_leaves_no_temp_directory_or_cgroup(backend):
     """kill -9 of the harness mid-check runs no cleanup: the next check removes what it left."""
     from melt_eval.evaluation import sandbox

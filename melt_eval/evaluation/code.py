@@ -16,6 +16,7 @@ import re
 
 from lighteval.tasks.requests import Doc
 
+from melt_eval.errors import UserError
 from melt_eval.evaluation.sandbox import SandboxLimits, run_check
 
 FENCE = re.compile(r"```(?:python|py|Python)?[ \t]*\n(.*?)(?:```|\Z)", re.DOTALL)
@@ -23,6 +24,7 @@ LIMITS = SandboxLimits(timeout_s=10.0, cpu_s=10, memory_bytes=1 << 30)
 
 
 def humaneval_prompt(line: dict, task_name: str | None = None) -> Doc:
+    check_problem(line)
     query = (
         "Complete the following Python function. Reply with the complete function, imports included, "
         f"in a single ```python code block.\n\n```python\n{line['prompt']}```"
@@ -46,8 +48,44 @@ def candidate_code(problem: dict, completion: str) -> str:
 
 
 def check_source(problem: dict) -> str:
-    """What the trusted checker runs: the prompt (helpers the tests call, e.g. `poly`, `encode_cyclic`) and tests."""
-    return f"{problem['prompt']}\n\n{problem['test']}\n"
+    """What the trusted checker runs: the prompt's helpers (the tests call some, e.g. `poly`, `encode_cyclic`) and
+    the tests. The whole prompt where it compiles alone (a signature with a docstring); a bare signature
+    (`def f(x):`, valid HumanEval-format data) does not, so the entry point's own definition is left out: the
+    checker binds that name to the candidate anyway."""
+    prompt = problem["prompt"]
+    if not _compiles(prompt):
+        starts = list(re.finditer(rf"^[ \t]*(?:async[ \t]+)?def[ \t]+{re.escape(problem['entry_point'])}[ \t]*\(",
+                                  prompt, re.MULTILINE))
+        if starts:
+            prompt = prompt[: starts[-1].start()]
+    return f"{prompt}\n\n{problem['test']}\n"
+
+
+def _compiles(source: str) -> bool:
+    try:
+        compile(source, "prompt", "exec")  # compiling runs nothing
+        return True
+    except (SyntaxError, ValueError):  # ValueError: a NUL byte
+        return False
+
+
+def check_problem(problem: dict) -> None:
+    """A HumanEval-format row the checker can run, else a one-line UserError naming the row: the fields are
+    text, the entry point a name, and the checker's source compiles. A problem whose checker cannot compile
+    is a data error, never the model's failure (every completion would fail, the correct ones too)."""
+    name = problem.get("task_id", "a problem")
+    for key in ("prompt", "test", "entry_point"):
+        if not isinstance(problem.get(key), str):
+            raise UserError(f"humaneval: {name}'s {key!r} is a {type(problem.get(key)).__name__}, not text; "
+                            'fix the data ({"task_id", "prompt", "test", "entry_point"} per line)')
+    if not problem["entry_point"].isidentifier():
+        raise UserError(f"humaneval: {name}'s entry_point {problem['entry_point']!r} is not a Python name; fix the data")
+    try:
+        compile(check_source(problem), "check.py", "exec")
+    except (SyntaxError, ValueError) as exc:
+        where = f" (line {exc.lineno} of prompt+test)" if getattr(exc, "lineno", None) else ""
+        raise UserError(f"humaneval: {name}'s prompt and test do not compile as the checker's code: "
+                        f"{getattr(exc, 'msg', exc)}{where}; fix the data (no completion could pass it)") from None
 
 
 def program(problem: dict, completion: str) -> str:

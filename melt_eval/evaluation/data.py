@@ -122,7 +122,7 @@ def read_completions(path: Path, rows: list[dict]) -> dict[int, list[str]]:
     for where, row in read_json_lines(path):
         if "index" in row:
             position = row["index"]
-            if not isinstance(position, int) or not 0 <= position < len(rows):
+            if type(position) is not int or not 0 <= position < len(rows):  # true is not problem 1
                 raise UserError(f"{where}: index {position!r} names no problem (the split has {len(rows)}, from 0)")
         elif "id" in row:
             if str(row["id"]) not in ids:

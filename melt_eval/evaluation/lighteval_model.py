@@ -49,14 +49,21 @@ class CompletionStore:
     time and peak cache of all its segments together (completions.jsonl stays byte-identical to an
     uninterrupted run's).
 
-    `peak` returns the backend's peak cache so far in this segment (None: unknown)."""
+    `peak` returns the backend's peak cache so far in this segment (None: unknown); `cache` the analytic twin of
+    that peak and its rows ({"analytic_cache_bytes", "cache_rows"}; {} where the backend has none), recorded with
+    it so that a resumed run reports the figures of the segment that reached the peak.
+
+    A line whose key another line already has, with other content, is refused (naming both lines): which of
+    the two the run should keep is not the harness's to guess."""
 
     SEGMENTS = "segments.jsonl"
 
-    def __init__(self, path: Path, peak: Callable[[], int | None] = lambda: None) -> None:
+    def __init__(self, path: Path, peak: Callable[[], int | None] = lambda: None,
+                 cache: Callable[[], dict] = dict) -> None:
         self.path = path
         self.done: dict[str, dict] = {}
-        self.segment, self.started, self.peak = uuid.uuid4().hex[:12], time.perf_counter(), peak
+        self.lines: dict[str, int] = {}  # key -> its line in completions.jsonl
+        self.segment, self.started, self.peak, self.cache = uuid.uuid4().hex[:12], time.perf_counter(), peak, cache
         self.segments: dict[str | None, dict] = {}  # segment id -> {"wall_s", "peak_cache_bytes"}
         self.segments_path = path.with_name(self.SEGMENTS)
         if not path.exists():
@@ -83,7 +90,13 @@ class CompletionStore:
                     "string \"completions\" and an integer \"tokens\"); delete that line (its problem is generated "
                     "again) and re-run: the other finished problems are kept"
                 )
+            if row["key"] in self.done and self.done[row["key"]] != row:
+                raise UserError(
+                    f"{path}:{number} holds problem {row['key']} again, with other completions than line "
+                    f"{self.lines[row['key']]}; delete the line that is not the run's own (or both: the problem is "
+                    "generated again) and re-run")
             self.done[row["key"]] = row
+            self.lines.setdefault(row["key"], number)
             good += len(raw)
         if good < len(data):
             # a line cut by a kill: drop it (and anything after), so that new lines follow whole ones
@@ -104,7 +117,19 @@ class CompletionStore:
                 if isinstance(row, dict) and isinstance(row.get("segment"), str):
                     self._count(row)
         if self.done and not self.segments:
-            self.segments[None] = {"wall_s": 0.0, "peak_cache_bytes": None}
+            self.segments[None] = {"wall_s": 0.0, "peak_cache_bytes": None, "cache": {}}
+
+    def check_belongs(self, keys: set[str], samples: int) -> None:
+        """Every stored problem is one of this run's (`keys`) with its `samples` completions, else a one-line
+        UserError naming the line: a line from elsewhere would add its tokens, and a short one be generated
+        again beside it, and the run would choose between them silently."""
+        for key, row in self.done.items():
+            if key not in keys:
+                raise UserError(f"{self.path}:{self.lines[key]} holds problem {key}, which is not one of this run's "
+                                "problems; delete that line (it came from another run or was added by hand) and re-run")
+            if len(row["completions"]) != samples:
+                raise UserError(f"{self.path}:{self.lines[key]} holds {len(row['completions'])} completions where the "
+                                f"run makes {samples}; delete that line (its problem is generated again) and re-run")
 
     @staticmethod
     def valid_row(row) -> bool:
@@ -113,21 +138,29 @@ class CompletionStore:
                 and isinstance(row.get("tokens", 0), int) and not isinstance(row.get("tokens", 0), bool))
 
     def _count(self, row: dict) -> None:
-        wall, peak = row.get("wall_s"), row.get("peak_cache_bytes")
-        totals = self.segments.setdefault(row["segment"], {"wall_s": 0.0, "peak_cache_bytes": None})
+        wall, peak, cache = row.get("wall_s"), row.get("peak_cache_bytes"), row.get("cache")
+        totals = self.segments.setdefault(row["segment"], {"wall_s": 0.0, "peak_cache_bytes": None, "cache": {}})
         if isinstance(wall, (int, float)) and not isinstance(wall, bool) and wall >= 0:
             totals["wall_s"] = max(totals["wall_s"], float(wall))
         if isinstance(peak, int) and not isinstance(peak, bool) and peak > 0:
             totals["peak_cache_bytes"] = max(totals["peak_cache_bytes"] or 0, peak)
+            if isinstance(cache, dict) and all(isinstance(v, int) and not isinstance(v, bool) for v in cache.values()):
+                totals["cache"] = {k: cache[k] for k in ("analytic_cache_bytes", "cache_rows") if k in cache}
 
-    def totals(self, peak_now: int | None) -> dict:
+    def totals(self, peak_now: int | None, cache_now: dict | None = None) -> dict:
         """wall_time_s (summed), peak_cache_bytes (the maximum) and segments over every segment of the run,
-        this one (running since `started`, its peak `peak_now`) included. An earlier segment's time counts up
-        to its last stored problem: what it did after that was lost with it and is done again by a later one."""
+        this one (running since `started`, its peak `peak_now`, its cache figures `cache_now`) included, and
+        the analytic figures of the peak (`analytic_cache_bytes`, `cache_rows`: the last segment that reached
+        it, as one uninterrupted run keeps its last wave that reached its peak). An earlier segment's time
+        counts up to its last stored problem: what it did after that was lost with it and is done again."""
         earlier = {s: t for s, t in self.segments.items() if s != self.segment}
-        peaks = [t["peak_cache_bytes"] for t in earlier.values() if t["peak_cache_bytes"]] + ([peak_now] if peak_now else [])
+        now = {"peak_cache_bytes": peak_now or None, "cache": dict(cache_now or {})}
+        ordered = [*earlier.values(), now]
+        peaks = [t["peak_cache_bytes"] for t in ordered if t["peak_cache_bytes"]]
+        peak = max(peaks) if peaks else None
+        cache = next((t["cache"] for t in reversed(ordered) if peak and t["peak_cache_bytes"] == peak), {})
         return {"wall_time_s": round(sum(t["wall_s"] for t in earlier.values()) + time.perf_counter() - self.started, 3),
-                "peak_cache_bytes": max(peaks) if peaks else None, "segments": len(earlier) + 1}
+                "peak_cache_bytes": peak, "segments": len(earlier) + 1, **cache}
 
     def add(self, key: str, completions: list[str], tokens: int, loop_counts: list[int] | None = None) -> None:
         row = {"key": key, "completions": completions, "tokens": tokens}
@@ -135,6 +168,8 @@ class CompletionStore:
             row["loop_counts"] = loop_counts
         record = {"segment": self.segment, "wall_s": round(time.perf_counter() - self.started, 3),
                   "peak_cache_bytes": self.peak()}
+        if cache := self.cache():
+            record["cache"] = cache
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._append(self.path, row)
         self.done[key] = row
@@ -173,13 +208,16 @@ class HarnessModel(LightevalModel):
     """What LightEval's Pipeline talks to: chat-formats each Doc and fetches or makes its samples."""
 
     def __init__(self, name: str, tokenizer, backend, options: InferenceOptions, store: CompletionStore,
-                 *, system_prompt: str | None = None, on_batch: Callable[[int, int], None] | None = None) -> None:
-        """`options`: the run's, with the task's sample count and length resolved (`for_task`)."""
+                 *, system_prompt: str | None = None, on_batch: Callable[[int, int], None] | None = None,
+                 counted: int = 0) -> None:
+        """`options`: the run's, with the task's sample count and length resolved (`for_task`); `counted`: the
+        stored problems the progress display already started from (a resumed run's)."""
         self.config = ModelConfig(model_name=name)
         self._tokenizer = tokenizer
         self.backend, self.options, self.store = backend, options, store
         self.system_prompt = system_prompt
         self.on_batch = on_batch  # (problems finished, tokens generated) -> None, for progress bars
+        self.counted = counted
         self._cache = _NoSampleCache()
         self.generated_tokens = 0
         self.eos_ids = self._eos_ids(tokenizer)
@@ -209,8 +247,9 @@ class HarnessModel(LightevalModel):
                 if k not in self.store.done or len(self.store.done[k]["completions"]) != sampling.samples]
         if todo and isinstance(self.backend, ReplayBackend):
             raise UserError(f"the completions file has no entry for {len(todo)} problem(s) of the task (first: index {todo[0]})")
-        if self.on_batch:
-            self.on_batch(len(docs) - len(todo), 0)
+        if self.on_batch and len(docs) - len(todo) > self.counted:
+            self.on_batch(len(docs) - len(todo) - self.counted, 0)
+        self.counted = 0
         step = self.backend.problems_per_batch(sampling.samples)
         for start in range(0, len(todo), step):
             idx = todo[start : start + step]

@@ -395,10 +395,14 @@ def _run_one(spec, rows, loaded: LoadedModel, options: InferenceOptions, identit
     from melt_eval.evaluation.outputs import finish_stamp, write_samples
     from melt_eval.progress import task_progress
 
-    store = CompletionStore(task_dir / "completions.jsonl", peak=lambda: loaded.backend.peak_cache_bytes or None)
+    store = CompletionStore(task_dir / "completions.jsonl", peak=lambda: loaded.backend.peak_cache_bytes or None,
+                            cache=lambda: dict(getattr(loaded.backend, "cache_info", None) or {}))
+    prompt = task_config(spec).prompt_function
+    store.check_belongs({problem_key(prompt(row, f"{spec.name}|0")) for row in rows}, options.sampling.samples)
     with task_progress(f"{identity['model']} / {spec.name}", len(rows), options.sampling.samples,
-                       enabled=progress) as on_batch:
-        model = HarnessModel(loaded.display, loaded.tokenizer, loaded.backend, options, store, on_batch=on_batch)
+                       enabled=progress, done=len(store.done)) as on_batch:  # a resumed run counts from its done
+        model = HarnessModel(loaded.display, loaded.tokenizer, loaded.backend, options, store, on_batch=on_batch,
+                             counted=len(store.done))
         with out_of_memory_as_user_error(len(store.done)):
             metrics, details, (lighteval_files, lighteval_date) = evaluate(spec, rows, model, task_dir / ".lighteval",
                                                                            save_to=task_dir)
@@ -455,13 +459,14 @@ def _finish(spec, rows, loaded, options, identity, task_dir: Path, store, metric
         lighteval_files["samples"] = write_samples(task_dir, spec.name, lighteval_date or date_id, details, rows,
                                                    options.sampling)
     code = git_state()
+    totals = store.totals(loaded.backend.peak_cache_bytes or None, getattr(loaded.backend, "cache_info", None))
     result = {
         "model": identity["model"], "task": spec.name, "finished": True, "metrics": metrics,
         "settings": identity["settings"], "model_path": identity["model_path"], "config_hash": identity["config_hash"],
         "versions": versions(),
         # over every segment of a run interrupted and resumed, as an uninterrupted run would report them:
         # wall_time_s and generated_tokens summed, peak_cache_bytes the largest, and how many segments
-        **store.totals(loaded.backend.peak_cache_bytes or None),
+        **{k: v for k, v in totals.items() if k not in ("analytic_cache_bytes", "cache_rows")},
         "generated_tokens": sum(r.get("tokens", 0) for r in store.done.values()),
         "num_problems": len(rows),
         "date": date, "git_commit": code.get("git_sha"), "git_dirty": code.get("git_dirty"),
@@ -471,6 +476,9 @@ def _finish(spec, rows, loaded, options, identity, task_dir: Path, store, metric
         result["loops_per_token"] = loops_summary([r.get("loop_counts") for r in store.done.values()])
     if hasattr(loaded.backend, "describe"):
         result.update(loaded.backend.describe())  # the engine or server the samples came from
+        # the peak's analytic figures over every segment (this segment's alone would be those of its own
+        # waves, or none when a resumed run had nothing left to generate)
+        result.update({k: v for k, v in totals.items() if k in ("analytic_cache_bytes", "cache_rows")})
     if spec.kind == "code":
         from melt_eval.evaluation.sandbox import describe
 

@@ -238,8 +238,9 @@ def _run(program: str, limits: SandboxLimits, serve: tuple[str, str] | None, how
         result_r, result_w = pipe()
         status_r, status_w = pipe()
         go_r, go_w = pipe()
-        os.write(token_w, token)
-        close(token_w)
+        if serve is None:
+            os.write(token_w, token)
+            close(token_w)
         config = {
             "python": python, "prefix": prefix, "host_python": _host_interpreter(),
             "box": str(box), "root": str(workdir / "root"),
@@ -279,6 +280,12 @@ def _run(program: str, limits: SandboxLimits, serve: tuple[str, str] | None, how
                     close_fds=True, start_new_session=True, cwd=str(workdir),
                 )
             close(calls_w, result_r, verdict_w)  # the program sees EOF on its calls once the checker is done
+            # the checker counts in the check's memory bound: in its cgroup, else with its own share of the bound;
+            # it reads its limit and token (to EOF) before anything else, so it holds nothing before it counts
+            joined = cgroup is not None and _join(cgroup, checker.pid)
+            space = limits.memory_bytes if joined else sandbox_launcher.share_bytes(limits.__dict__, serve=True)
+            os.write(token_w, f"{space}\n".encode() + token)
+            close(token_w)
         close(token_r)
         try:
             messages, timed_out = _talk(proc, status_r, go_w, limits.timeout_s + 10.0, cgroup)

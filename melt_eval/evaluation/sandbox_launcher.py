@@ -155,7 +155,38 @@ def dec(v, depth=0):
         return complex(float.fromhex(x[0]), float.fromhex(x[1]))
     raise ValueError("not a value: %.80r" % (v,))
 """
-LINE_BYTES = 16 << 20  # the largest call or answer that crosses (a line of JSON)
+LINE_BYTES = 16 << 20  # the largest call that crosses (a line of JSON, made by the trusted checker)
+# The largest answer the trusted checker reads from the sandbox, and how deep it may nest, both checked before
+# it is parsed: parsing costs tens of bytes of memory per byte of nested empty lists, so an unbounded answer
+# line would let a completion make the checker hold more than the check's bound. enc() stops at depth 64,
+# and a tagged container (a tuple, a dict) is two levels of JSON.
+ANSWER_BYTES = 1 << 20
+ANSWER_DEPTH = 2 * 64 + 4
+
+
+def json_depth_at_most(line: bytes, limit: int) -> bool:
+    """Whether a JSON text nests at most `limit` deep, read without parsing it and in linear time per level:
+    escapes and strings dropped, then the innermost bracket pairs removed, one level a pass."""
+    text = line.replace(b"\\\\", b"").replace(b'\\"', b"")  # escaped backslashes first, then escaped quotes
+    brackets = b"".join(text.split(b'"')[::2]).translate(None, _NOT_BRACKETS)  # outside strings, brackets only
+    for _ in range(limit):
+        if not brackets:
+            return True
+        inner = brackets.replace(b"[]", b"").replace(b"{}", b"")
+        if inner == brackets:  # unbalanced: not JSON the checker would read
+            return False
+        brackets = inner
+    return not brackets
+
+
+_NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
+
+
+def share_bytes(limits: dict, serve: bool) -> int:
+    """Without a memory cgroup, the address-space limit of each of the check's processes: the check's bound split
+    across the processes it may have, plus the trusted checker (run_check), so that together they hold at most
+    the bound."""
+    return limits["memory_bytes"] // max(1, limits["max_processes"] + (1 if serve else 0))
 
 # The program process's first Python (python -I -S): installs the filter, then runs the program.
 # `run_python` (a whole program): the token comes on stdin and is written to fd 3 only if the program's code
@@ -246,8 +277,10 @@ def _check(argv: list[str]) -> None:
     VERDICT only when `check` returned. Nothing of this process is reachable from the sandbox."""
     calls_fd, answers_fd, verdict = (int(x) for x in argv[:3])
     path, entry = argv[3], argv[4]
-    token = sys.stdin.buffer.read()
-    resource.setrlimit(resource.RLIMIT_AS, (2 << 30, 2 << 30))  # a trusted test's runaway stays bounded
+    # the harness writes "<address-space limit>\n<token>" once this process counts in the check's memory cgroup
+    # (then the limit is the check's whole bound), else with this process's share of the bound (`share_bytes`)
+    space, _, token = sys.stdin.buffer.read().partition(b"\n")
+    resource.setrlimit(resource.RLIMIT_AS, (int(space), int(space)))
     codec: dict = {}
     exec(CODEC, codec)
     enc, dec = codec["enc"], codec["dec"]
@@ -262,9 +295,12 @@ def _check(argv: list[str]) -> None:
         out = (json.dumps({"a": enc(list(args)), "k": enc(kwargs)}) + "\n").encode()
         while out:
             out = out[os.write(calls_fd, out):]
-        line = answers.readline(LINE_BYTES)
+        line = answers.readline(ANSWER_BYTES + 1)  # bounded before parsing (see ANSWER_BYTES)
         if not line.endswith(b"\n"):
-            raise CandidateFailed("the completion gave no answer (it exited, was killed or answered too much)")
+            raise CandidateFailed("the completion gave no answer (it exited, was killed or answered more than "
+                                  f"{ANSWER_BYTES >> 20} MiB)")
+        if not json_depth_at_most(line, ANSWER_DEPTH):
+            raise CandidateFailed(f"the completion's answer nests more than {ANSWER_DEPTH} levels deep")
         msg = json.loads(line)
         if type(msg) is not dict or len(msg) != 1:
             raise CandidateFailed("not an answer")
@@ -332,7 +368,7 @@ def _launch(config: dict) -> None:
     if bound not in (b"g", b"b"):
         os._exit(1)
     layers["memory_bound"] = "cgroup" if bound == b"g" else "address_space_budget"
-    space = limits["memory_bytes"] if bound == b"g" else limits["memory_bytes"] // max(1, limits["max_processes"])
+    space = limits["memory_bytes"] if bound == b"g" else share_bytes(limits, bool(config.get("serve")))
     # the harness killed (kill -9, Ctrl-C): the launcher dies, then the init (its own parent-death signal)
     _die_with_parent(libc, config["harness_pid"])
     # 2. the new root
@@ -421,7 +457,7 @@ def _bwrap(config: dict) -> None:
     bound = os.read(go, 1)
     if bound not in (b"g", b"b"):
         os._exit(1)
-    space = limits["memory_bytes"] if bound == b"g" else limits["memory_bytes"] // max(1, limits["max_processes"])
+    space = limits["memory_bytes"] if bound == b"g" else share_bytes(limits, bool(config.get("serve")))
     layers["memory_bound"] = "cgroup" if bound == b"g" else "address_space_budget"
     os.write(status, (json.dumps({"stage": "bwrap", "layers": layers}) + "\n").encode())
     _take_rlimits(limits, space)

@@ -19,6 +19,8 @@ maps any of them onto the fields the prompt functions read.
 from __future__ import annotations
 
 import hashlib
+import math
+import numbers
 import random
 from dataclasses import asdict, dataclass, field
 from typing import Callable
@@ -68,8 +70,22 @@ def normalise(line: dict) -> dict:
     """{problem, answer} from the Hub schemas of the math benchmarks or the local schema."""
     answer = _first(line, "answer", "final_answer", "expected_answer")
     if isinstance(answer, list):  # OlympiadBench: a list of final answers, each in $...$
-        answer = ", ".join(str(a).strip().strip("$").strip() for a in answer)
-    return {"problem": str(_first(line, "problem", "question", "Question")), "answer": str(answer).strip()}
+        answer = ", ".join(_scalar(a, "an answer in the list").strip().strip("$").strip() for a in answer)
+    problem = _first(line, "problem", "question", "Question")
+    if not isinstance(problem, str):  # a list or a dict would be stringified into the prompt
+        raise TypeError(f"the problem is a {type(problem).__name__}, not text")
+    return {"problem": problem, "answer": _scalar(answer, "the answer").strip()}
+
+
+def _scalar(value, what: str) -> str:
+    """An answer's text: a string or a finite number (JSON's NaN would become the gold \\boxed{nan})."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{what} is a {type(value).__name__}, not text or a number")
+    if not math.isfinite(value):
+        raise ValueError(f"{what} is {value}, not a finite number")
+    return str(value)
 
 
 def boxed_gold(answer: str) -> str:

@@ -91,6 +91,8 @@ def plan(ablation: str, preset: str = "paper", base: "str | TrainRun | None" = N
         raise UserError(f"unknown ablation {ablation!r}; choose one of {', '.join(ABLATIONS + BEYOND_PAPER)}")
     if preset not in PRESETS:
         raise UserError(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
+    if isinstance(base, str) and base:
+        _check_base(base)
     if ablation == "exit":
         return exit_plan(preset, base, train_overrides)
     base = base or PRESETS[preset]["base"]
@@ -108,6 +110,16 @@ def plan(ablation: str, preset: str = "paper", base: "str | TrainRun | None" = N
         # with no training the base model is evaluated as is, with the variant's options
         variants.append(VariantPlan(ablation, name, train=runs, base="" if runs else base, eval_options=dict(defined.eval_options)))
     return variants
+
+
+def _check_base(base: str) -> None:
+    """--base checked locally (a directory, a registry name or a Hub id's form) before any run is planned on it."""
+    from melt_eval.modeling.loading import parse_model_ref
+
+    try:
+        parse_model_ref(base)
+    except UserError as exc:
+        raise UserError(f"--base {base!r}: {exc}") from None
 
 
 def exit_plan(preset: str = "paper", base: str | None = None, train_overrides: dict | None = None) -> list[VariantPlan]:
