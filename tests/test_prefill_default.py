@@ -8,11 +8,13 @@ import shutil
 
 import pytest
 
+from melt_eval.errors import UserError
 from melt_eval.files import TRAINING_META
 from melt_eval.generation.options import InferenceOptions, checkpoint_prefill_chunk, trained_prefill_chunk
 from melt_eval.training import run_recipe
 
 from helpers import main_exit_code as _main
+from helpers import one_line_error as _one_line_error
 
 # tiny-phase1 (prompt_as_one_chunk: true) shrunk to one optimiser step, as tests/test_train_run.py does
 FAST = {"seq_len": 64, "micro_batch_size": 4, "batch_tokens": 256, "warmup_steps": 1, "max_steps": 1,
@@ -82,17 +84,36 @@ def test_without_a_record_the_default_is_exact_melt(tmp_path, capsys):
     assert _settings(out, "tiny-random-melt")["prefill_chunk"] == 1
 
 
-def test_an_unreadable_or_looplm_record_falls_back_to_one(trained, tmp_path):
+def test_an_unreadable_record_stops_and_a_looplm_record_falls_back_to_one(trained, tmp_path):
+    # issue 52: an unreadable record stops the run, as a damaged run.json does (it used to fall back to 1 with
+    # "no readable recipe": the prefill chunk is part of the run's identity, so guessing it changes the results)
     broken = tmp_path / "broken"
     shutil.copytree(trained["whole"], broken, ignore=shutil.ignore_patterns("checkpoints", "logs"))
     (broken / TRAINING_META).write_text("{not json")
-    chunk, why = checkpoint_prefill_chunk(broken)
-    assert chunk == 1 and "no readable recipe" in why
+    with pytest.raises(UserError, match="not valid JSON.*pass --prefill-chunk N"):
+        checkpoint_prefill_chunk(broken)
     # a plain LoopLM (pretrain-tiny) trains per-loop caches: no prompt chunk to follow
     assert trained_prefill_chunk({"target": "looplm", "chunk_size": 500}) is None
     assert trained_prefill_chunk({"target": "melt", "chunk_size": 0, "seq_len": 100})[0] == 100  # C = L
     options, line = InferenceOptions(prefill_chunk=2).for_checkpoint(trained["whole"])
     assert options.prefill_chunk == 2 and line is None
+
+
+@pytest.mark.parametrize("field, value", [("chunk_size", -5), ("chunk_size", 1e18), ("chunk_size", "abc"),
+                                          ("prompt_as_one_chunk", "yes"), ("target", 7)])
+def test_a_bad_value_in_the_record_is_named_and_stops_the_run(trained, tmp_path, capsys, field, value):
+    """Issue 52 item 3: each field of melt_eval_training.json that inference reads is checked; a bad one is
+    named in one line and `run` stops (exit 2), as for a damaged run.json; --prefill-chunk runs without it."""
+    damaged = tmp_path / "damaged"
+    shutil.copytree(trained["chunk4"], damaged, ignore=shutil.ignore_patterns("checkpoints", "logs"))
+    meta = json.loads((damaged / TRAINING_META).read_text())
+    meta["recipe"].update({"prompt_as_one_chunk": False, field: value})
+    (damaged / TRAINING_META).write_text(json.dumps(meta))
+    code = _main(["run", "synthetic", "--model", damaged, "--output", tmp_path / "out", *RUN])
+    _one_line_error(capsys, code, TRAINING_META, f"recipe field {field} is {value!r}", "--prefill-chunk")
+    assert not (tmp_path / "out").exists()  # stopped before any result was written
+    assert _main(["run", "synthetic", "--model", damaged, "--output", tmp_path / "out", "--prefill-chunk", "2",
+                  *RUN]) == 0
 
 
 def test_serve_passes_the_trained_chunk_to_vllm(trained):

@@ -9,7 +9,6 @@ flag and the values it takes. Whether `kv_sharing` fits a model's cache is for
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -156,7 +155,7 @@ class InferenceOptions:
         if self.prefill_chunk is not None:
             return self, None
         chunk, why = checkpoint_prefill_chunk(model_dir)
-        if not (Path(model_dir) / TRAINING_META).is_file():  # today's default, as for any model: nothing to say
+        if not (Path(model_dir) / TRAINING_META).exists():  # today's default, as for any model: nothing to say
             return replace(self, prefill_chunk=chunk), None
         return replace(self, prefill_chunk=chunk), f"--prefill-chunk {chunk}: {why} (pass --prefill-chunk to change it)"
 
@@ -178,7 +177,7 @@ def trained_prefill_chunk(recipe: dict) -> tuple[int, str] | None:
     it trained the prompt as one chunk (`prompt_as_one_chunk`, or chunk_size 0, the whole sequence) -- a chunk
     of its seq_len, which holds any prompt it trained on, as the demo prefills -- else its chunk_size. None
     where the recipe trains no shared KV cache (target looplm: Ouro's per-loop caches make chunks irrelevant)
-    or its values are not whole numbers >= 1."""
+    or its values are not whole numbers >= 1 (`record_problem` names which)."""
     if recipe.get("target", "melt") != "melt":
         return None
     chunk, seq_len = recipe.get("chunk_size"), recipe.get("seq_len")
@@ -188,21 +187,57 @@ def trained_prefill_chunk(recipe: dict) -> tuple[int, str] | None:
     return (chunk, f"as trained (chunk_size {chunk})") if _at_least_one(chunk) else None
 
 
+MAX_RECORDED = (1 << 31) - 1  # no context is longer: a larger chunk or seq_len is damage, not a setting
+RECORD_TARGETS = ("melt", "looplm", "exit_gate")  # training.config.TARGETS (not imported: inference stays light)
+
+
+def record_problem(recipe) -> str | None:
+    """What is wrong with the fields of a training record's recipe that inference reads (target,
+    prompt_as_one_chunk, chunk_size and, where the prompt is one chunk, seq_len), as a phrase naming the
+    field; None when they are sound."""
+    if not isinstance(recipe, dict):
+        return f"its recipe is a {type(recipe).__name__}, not a mapping"
+    target = recipe.get("target", "melt")
+    if target not in RECORD_TARGETS:
+        return f"recipe field target is {target!r}, not one of {', '.join(RECORD_TARGETS)}"
+    if target != "melt":
+        return None  # no shared KV cache: no field of the chunk rule is read
+    whole = recipe.get("prompt_as_one_chunk", False)
+    if not isinstance(whole, bool):
+        return f"recipe field prompt_as_one_chunk is {whole!r}, not true or false"
+    chunk = recipe.get("chunk_size")
+    if not whole and not (_whole(chunk) and 0 <= chunk <= MAX_RECORDED):
+        return f"recipe field chunk_size is {chunk!r}, not a whole number from 0 to {MAX_RECORDED}"
+    seq_len = recipe.get("seq_len")
+    if (whole or chunk == 0) and not (_at_least_one(seq_len) and seq_len <= MAX_RECORDED):
+        return f"recipe field seq_len is {seq_len!r}, not a whole number from 1 to {MAX_RECORDED}"
+    return None
+
+
 def checkpoint_prefill_chunk(model_dir: str | Path) -> tuple[int, str]:
     """(prompt chunk, where it comes from) for the checkpoint in `model_dir`: its training record's rule
-    (`TRAINING_META`'s recipe, `trained_prefill_chunk`), else DEFAULT_PREFILL_CHUNK, saying why."""
+    (`TRAINING_META`'s recipe, `trained_prefill_chunk`), else DEFAULT_PREFILL_CHUNK, saying why.
+
+    A record this harness wrote decides what the run computes (its prefill chunk is part of the run's
+    identity), so a damaged one stops the run, as a damaged run.json does, with one line naming the field
+    (--prefill-chunk decides without reading it); a directory without a record takes the default."""
+    from melt_eval.jsonio import read_json
+
     path = Path(model_dir) / TRAINING_META
     default = f"the default ({DEFAULT_PREFILL_CHUNK}, exact MELT)"
-    if not path.is_file():
+    if not (path.exists() or path.is_symlink()):
         return DEFAULT_PREFILL_CHUNK, f"{default}: no training record ({TRAINING_META}) in {model_dir}"
+    fix = "; fix or restore it, or pass --prefill-chunk N to choose the prompt chunk without it"
     try:
-        meta = json.loads(path.read_text(encoding="utf-8"))
-        # an exit-gate fit keeps the checkpoint's own training recipe as model_recipe (the gate changes no chunk rule)
-        recipe = meta.get("model_recipe") or meta.get("recipe")
-    except (OSError, ValueError, AttributeError, RecursionError):
-        recipe = None
-    if not isinstance(recipe, dict):
-        return DEFAULT_PREFILL_CHUNK, f"{default}: {path} holds no readable recipe"
+        meta = read_json(path, "a training record")
+    except UserError as exc:
+        raise UserError(f"{exc}{fix}") from None
+    if not isinstance(meta, dict):
+        raise UserError(f"{path} is a JSON {type(meta).__name__}, not the training record's object{fix}")
+    # an exit-gate fit keeps the checkpoint's own training recipe as model_recipe (the gate changes no chunk rule)
+    recipe = meta.get("model_recipe") or meta.get("recipe")
+    if (problem := record_problem(recipe)) is not None:
+        raise UserError(f"{path}: {problem}{fix}")
     trained = trained_prefill_chunk(recipe)
     if trained is None:
         return DEFAULT_PREFILL_CHUNK, f"{default}: {path}'s recipe (target {recipe.get('target')!r}) sets no prompt chunk"
