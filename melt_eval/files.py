@@ -328,6 +328,7 @@ def clear_directory(directory: Path) -> None:
 
 SUMS_FILE = "SHA256SUMS"  # `sha256sum -c SHA256SUMS` checks it too (the coreutils format)
 _verified: dict[tuple, None] = {}  # directories (their files' mtimes and sizes) already checked in this process
+verified_dirs: set[str] = set()  # resolved paths of the directories whose sums this process checked (results.json)
 
 
 def sha256_file(path: Path) -> str:
@@ -356,12 +357,24 @@ def write_sums(directory: Path, names: list[str]) -> None:
     write_text_atomic(directory / SUMS_FILE, "".join(lines))
 
 
-def verify_sums(directory: Path) -> None:
+def verify_sums(directory: Path) -> bool:
     """Check DIR's files against DIR/SHA256SUMS where it exists; a UserError naming the first damaged file.
-    Checked once per process while unchanged (load_model and the backends both resolve the same directory)."""
+    Returns whether sums were checked: False for a directory without them that this harness did not write (a
+    Hub snapshot, another tool's). One it wrote (it holds TRAINING_META) always had them, so without them it
+    is refused, as is a SHA256SUMS that is not a regular file (a FIFO, a device, a directory): a check that
+    cannot run is never skipped silently. Checked once per process while unchanged (load_model and the
+    backends both resolve the same directory)."""
     sums = Path(directory) / SUMS_FILE
-    if not sums.is_file():
-        return
+    unchecked = "or pass --no-verify to load it unchecked"
+    if not (sums.exists() or sums.is_symlink()):
+        if (Path(directory) / TRAINING_META).exists():
+            raise UserError(f"{directory} was written by melt-eval (it holds {TRAINING_META}) but has no {SUMS_FILE}, "
+                            f"so its files cannot be checked; restore {SUMS_FILE} (copy the directory again), {unchecked}")
+        return False
+    try:
+        check_regular_file(sums, f"the checkpoint's {SUMS_FILE}")
+    except UserError as exc:
+        raise UserError(f"{exc}; the checkpoint's files cannot be checked: restore it, {unchecked}") from None
     hashes = {}
     for line in sums.read_bytes().decode("utf-8", "replace").splitlines():
         digest, _, name = line.partition("  ")
@@ -373,9 +386,12 @@ def verify_sums(directory: Path) -> None:
     stats = [(p, p.stat()) for p in [sums, *(Path(directory) / n for n in hashes)] if p.is_file()]
     key = (str(Path(directory).resolve()), *((str(p), st.st_mtime_ns, st.st_size) for p, st in stats))
     if key in _verified:
-        return
+        verified_dirs.add(key[0])
+        return True
     bad = hash_mismatches(Path(directory), hashes)
     if bad:
         raise UserError(f"{directory}: {bad[0]} recorded in {SUMS_FILE}: the checkpoint is damaged; "
                         "copy it again, or pass --no-verify to load it anyway")
     _verified[key] = None
+    verified_dirs.add(key[0])
+    return True

@@ -84,7 +84,11 @@ def test_resume_takes_the_newest_complete_checkpoint_and_names_what_it_skipped(t
     log.write_text(log.read_text()[:-25])
     capsys.readouterr()
 
-    train(out, resume=True)
+    # issue 52: a checkpoint without its sums is refused unless --no-verify (it used to load unchecked)
+    with pytest.raises(UserError, match="step-000003 has no SHA-256 sums.*--no-verify"):
+        train(out, resume=True)
+    capsys.readouterr()
+    train(out, resume=True, verify=False)
     captured = capsys.readouterr()
     printed = captured.out
     assert ("note: skipping incomplete checkpoints step-000005 (no trainer_state.json); step-000004 "

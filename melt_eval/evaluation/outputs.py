@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from contextlib import suppress
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -41,10 +42,21 @@ def save_lighteval(pipeline, task_dir: Path, sampling=None) -> tuple[dict, str |
         pipeline.evaluation_tracker.general_config_logger.model_config.generation_parameters = GenerationParameters(
             temperature=sampling.temperature, top_p=sampling.top_p, max_new_tokens=sampling.max_new_tokens, seed=sampling.seed)
     before = set(task_dir.glob("results_*.json"))
+    existing = _tree(task_dir / "details")
     bars = datasets.is_progress_bar_enabled()
     datasets.disable_progress_bar()  # "Creating parquet from Arrow format" per task
     try:
         pipeline.save_and_push_results()
+    except OSError as exc:  # a full disk mid-parquet (pyarrow's errors are OSErrors): no cut file stays behind
+        for path in sorted((set(task_dir.glob("results_*.json")) - before) | (_tree(task_dir / "details") - existing),
+                           key=lambda p: len(p.parts), reverse=True):  # files, then their new folders, deepest first
+            with suppress(OSError):
+                path.rmdir() if path.is_dir() else path.unlink()
+        from melt_eval.files import write_failed
+
+        raise write_failed(exc, getattr(exc, "filename", None) or task_dir,
+                           "LightEval's partial files were removed; the finished problems are kept in completions.jsonl "
+                           "and the run resumes from them") from None
     finally:
         if bars:
             datasets.enable_progress_bar()
@@ -57,6 +69,11 @@ def save_lighteval(pipeline, task_dir: Path, sampling=None) -> tuple[dict, str |
     details = sorted((task_dir / "details" / model / date_id).glob(f"details_*_{date_id}.parquet"))
     return {"results": results.relative_to(task_dir).as_posix(),
             "details": [p.relative_to(task_dir).as_posix() for p in details]}, date_id
+
+
+def _tree(root: Path) -> set[Path]:
+    """`root` and every file and folder under it (none when it does not exist)."""
+    return {root, *root.rglob("*")} if root.is_dir() else set()
 
 
 def finish_stamp() -> tuple[str, str]:

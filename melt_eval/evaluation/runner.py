@@ -27,7 +27,7 @@ from melt_eval.errors import SettingsChanged, UserError
 from melt_eval.evaluation import data
 from melt_eval.evaluation.lighteval_model import CompletionStore, HarnessModel, problem_key
 from melt_eval.evaluation.tasks import SPECS, TaskSpec, metric_name, task_config
-from melt_eval.files import DirLock, clear_directory, write_json_atomic, write_text_atomic
+from melt_eval.files import DirLock, clear_directory, verified_dirs, write_json_atomic, write_text_atomic
 from melt_eval.generation.backends import BackendSettings, ReplayBackend, make_backend
 from melt_eval.generation.options import InferenceOptions, Sampling
 from melt_eval.jsonio import read_json
@@ -380,7 +380,7 @@ def run_tasks(
                 continue
             loaded.check_request(sampling)
             _refuse_file_in_path(task_dir)
-            with DirLock(task_dir, "evaluation"):  # a second run (or --force) into this directory is refused
+            with full_disk_as_user_error(task_dir), DirLock(task_dir, "evaluation"):  # one writer at a time
                 loaded.backend.start()  # vLLM starts only when something is left to generate, before any file is written
                 _claim(task_dir, identity, force)
                 out.append(_run_one(spec, rows[task], loaded, task_options, identity, task_dir, progress, log_samples))
@@ -449,6 +449,23 @@ def disk_errors_as_user_error(task_dir: Path):
                            "the finished problems are kept in completions.jsonl and the run resumes from them") from None
 
 
+@contextmanager
+def full_disk_as_user_error(task_dir: Path):
+    """A full disk (or quota) anywhere in a task's run -- run.json, the lock, any file a library writes -- is one
+    line; each writer removes what it cut (atomic writes, completions.jsonl's last line, LightEval's files)."""
+    import errno
+
+    try:
+        yield
+    except OSError as exc:
+        if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        from melt_eval.files import write_failed
+
+        raise write_failed(exc, getattr(exc, "filename", None) or task_dir,
+                           "finished problems are kept in completions.jsonl and the run resumes from them") from None
+
+
 def _finish(spec, rows, loaded, options, identity, task_dir: Path, store, metrics, details, lighteval_files,
             lighteval_date, log_samples: bool) -> dict:
     from melt_eval.evaluation.outputs import finish_stamp, write_samples
@@ -471,6 +488,9 @@ def _finish(spec, rows, loaded, options, identity, task_dir: Path, store, metric
         "num_problems": len(rows),
         "date": date, "git_commit": code.get("git_sha"), "git_dirty": code.get("git_dirty"),
         "lighteval_files": lighteval_files,  # relative to this directory
+        # whether the checkpoint's files were checked against its SHA256SUMS: false for a directory without
+        # them (a Hub snapshot, another tool's, a registry model built here) or under --no-verify
+        "sums_verified": str(loaded.model_dir.resolve()) in verified_dirs,
     }
     if options.exit is not None:  # --exit: the loops its generated tokens ran
         result["loops_per_token"] = loops_summary([r.get("loop_counts") for r in store.done.values()])

@@ -9,6 +9,7 @@ file must cost at most the steps since the previous checkpoint, never the run.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -83,15 +84,34 @@ def write_checkpoint(accelerator, output: Path, trainer_state: dict, keep: int, 
             os.replace(tmp, final)
             fsync_dir(root)
     except Exception as exc:  # a full disk shows as OSError or as torch's RuntimeError
+        full = _disk_full(exc, root)  # asked before the partial save is removed (which frees the space)
         if main:
             shutil.rmtree(tmp, ignore_errors=True)
         where = f"the last complete checkpoint is {last_good.name}" if last_good else "no checkpoint was written yet"
-        raise UserError(f"could not write checkpoint {final.name} ({str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__}); "
+        said = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
+        if full:
+            raise UserError(f"could not write checkpoint {final.name}: no space left on device in {root}; {where}; "
+                            "free disk space, then rerun with --resume") from None
+        raise UserError(f"could not write checkpoint {final.name} ({said}); "
                         f"{where}; free disk space if it is full, then rerun with --resume") from None
     if main:
         prune(output, trainer_state["step"], keep)
     accelerator.wait_for_everyone()
     return final
+
+
+def _disk_full(exc: BaseException, root: Path) -> bool:
+    """Whether a failed save ran out of disk: an ENOSPC/EDQUOT anywhere in the exception's chain, or (torch's
+    writer says only "unexpected pos ..." or "file write failed") less than a MiB left where it wrote."""
+    seen = exc
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    try:
+        return shutil.disk_usage(root).free < (1 << 20)
+    except OSError:
+        return False
 
 
 def prune(output: Path, step: int, keep: int) -> None:
@@ -126,12 +146,19 @@ def resume_candidates(output: Path) -> tuple[list[Path], list[str]]:
     return complete, notes
 
 
-def load_checkpoint(accelerator, stream, output: Path, candidates: list[Path]) -> tuple[int, int, Path | None]:
-    """Load the newest checkpoint that loads; returns (step, tokens seen, checkpoint)."""
+def load_checkpoint(accelerator, stream, output: Path, candidates: list[Path],
+                    verify: bool = True) -> tuple[int, int, Path | None]:
+    """Load the newest checkpoint that loads; returns (step, tokens seen, checkpoint). `verify`: a checkpoint
+    whose trainer_state.json has no SHA-256 map (this harness writes one with every checkpoint) is refused in
+    one line, never loaded unchecked; False (`train --resume --no-verify`) loads it, loading as the test."""
     failed = []
     for ckpt in candidates:
         state = read_trainer_state(ckpt)
-        hashes = state.get("sha256")  # checkpoints written before hashes have none: loading is the test
+        hashes = state.get("sha256")
+        if not isinstance(hashes, dict) and verify:
+            raise UserError(f"--resume: {ckpt} has no SHA-256 sums in its trainer_state.json, so its files cannot be "
+                            "checked; restore it, move it away to resume from an earlier checkpoint, or pass "
+                            "--no-verify to resume from it unchecked")
         damaged = hash_mismatches(ckpt, hashes) if isinstance(hashes, dict) else []
         if damaged:
             failed.append(f"{ckpt.name} ({'; '.join(damaged[:3])}: damaged)")

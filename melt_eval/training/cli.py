@@ -26,6 +26,7 @@ def register(app: typer.Typer) -> None:
         teacher: Optional[str] = typer.Option(None, "--teacher", help="Frozen LoopLM teacher (default: the starting LoopLM, or the one phase 1 recorded)."),
         max_steps: Optional[int] = typer.Option(None, "--max-steps", help="Optimiser steps (default: the recipe's)."),
         resume: bool = typer.Option(False, "--resume", help="Continue an interrupted run in --output at its last checkpoint (default: off)."),
+        verify: bool = typer.Option(True, "--verify/--no-verify", help="--resume: check the checkpoint's files against the SHA-256 sums in its trainer_state.json and refuse one without them (default: on; --no-verify resumes from it unchecked)."),
         config: Optional[Path] = typer.Option(None, "--config", help="YAML file of recipe keys applied over the recipe (default: none)."),
         set_: list[str] = typer.Option([], "--set", help="Override one recipe key: --set key=value (repeatable), e.g. --set kv_heads=4 (grouped-query MELT: key/value heads mean-pooled into 4 groups when converting; docs/training.md)."),
         progress: bool = typer.Option(True, "--progress/--no-progress", help="Show the progress bar."),
@@ -57,7 +58,7 @@ def register(app: typer.Typer) -> None:
                 overrides["interpolation_steps"] = 0  # phase 2 runs at alpha = 1
             resolved = load_recipe(recipe, config_file=config, overrides=overrides)
             out = run_recipe(resolved, output=output, resume=resume, progress=progress, push_to_hub=push_to_hub,
-                             hub_model_id=hub_model_id)
+                             hub_model_id=hub_model_id, verify=verify)
             typer.echo(f"trained model written to {out}")
 
 

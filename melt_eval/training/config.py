@@ -415,9 +415,10 @@ def load_recipe(name: str | None = None, *, config_file: str | Path | None = Non
         raw.update(_read_yaml(recipe_path(name)))
     if config_file:
         path = Path(config_file).expanduser()
-        if not path.is_file():
-            raise UserError(f"--config {path} {'is a directory' if path.is_dir() else 'does not exist'}; pass a YAML file")
-        read_text(path, "a YAML file of recipe keys")  # a non-UTF-8 file is a one-line error naming it
+        try:  # missing, a directory, a FIFO, a device, too large or not UTF-8: one line naming which
+            read_text(path, "a YAML file of recipe keys")
+        except UserError as exc:
+            raise UserError(f"--config {exc}") from None
         raw.update(_read_yaml(path))
     if overrides:
         _check_keys(overrides, "overrides")

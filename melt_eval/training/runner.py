@@ -48,8 +48,10 @@ __all__ = ["META_FILE", "NonFiniteLoss", "forward_objective", "lr_factor", "para
 
 
 def train(recipe: Recipe, output: str | Path, *, resume: bool = False, progress: bool = True, stop_after: int | None = None,
-          label: str | None = None, push_to_hub: bool = False, hub_model_id: str | None = None) -> Path:
-    """Run a recipe; returns the output directory (the final model is written there).
+          label: str | None = None, push_to_hub: bool = False, hub_model_id: str | None = None,
+          verify: bool = True) -> Path:
+    """Run a recipe; returns the output directory (the final model is written there). `verify`: --resume
+    checks a checkpoint's SHA-256 sums and refuses one without them (False: `--no-verify`).
 
     The output directory is locked for the run (melt_eval.files.DirLock): a second `train` into it
     is refused with the PID of the first. stop_after: stop (with a resumable checkpoint) once this
@@ -62,7 +64,7 @@ def train(recipe: Recipe, output: str | Path, *, resume: bool = False, progress:
     # the main process holds the lock for all of them (other ranks write only checkpoint shards)
     lock = DirLock(output, "training run") if PartialState().is_main_process else contextlib.nullcontext()
     with lock:
-        _train(recipe, output, resume=resume, progress=progress, stop_after=stop_after, label=label)
+        _train(recipe, output, resume=resume, progress=progress, stop_after=stop_after, label=label, verify=verify)
     if PartialState().is_main_process and push_to_hub and run_state(output) == FINISHED:
         from melt_eval.training.publish import push_to_hub as push
 
@@ -72,7 +74,7 @@ def train(recipe: Recipe, output: str | Path, *, resume: bool = False, progress:
 
 @torch.enable_grad()  # whatever the caller's mode (an evaluation earlier in the process may have turned it off)
 def _train(recipe: Recipe, output: Path, *, resume: bool, progress: bool, stop_after: int | None,
-           label: str | None = None) -> Path:
+           label: str | None = None, verify: bool = True) -> Path:
     from accelerate import Accelerator
     from accelerate.utils import set_seed
 
@@ -89,7 +91,7 @@ def _train(recipe: Recipe, output: Path, *, resume: bool, progress: bool, stop_a
     trainee, tokenizer, info = prepare_training(accelerator, recipe, mp)
     start_step, tokens_seen, last_good = 0, 0, None
     if resume:
-        start_step, tokens_seen, last_good = load_checkpoint(accelerator, trainee.stream, output, candidates)
+        start_step, tokens_seen, last_good = load_checkpoint(accelerator, trainee.stream, output, candidates, verify)
     meta = run_meta(recipe, info, trainee.world, mp, trainee.accum)
     if accelerator.is_main_process:
         write_run_start(output, recipe, meta)
@@ -140,7 +142,7 @@ def _loop(t: Trainee, output: Path, logger: Logger, step: int, tokens_seen: int,
 def run_recipe(name: str | Recipe, from_model: str | None = None, output: str | Path = "runs/melt", *,
                overrides: dict | None = None, config_file: str | None = None, resume: bool = False,
                progress: bool = True, stop_after: int | None = None, label: str | None = None,
-               push_to_hub: bool = False, hub_model_id: str | None = None) -> Path:
+               push_to_hub: bool = False, hub_model_id: str | None = None, verify: bool = True) -> Path:
     """Python entry point (used by the CLI, `ablate` and the demo): resolve a recipe and train it.
     `label` names the run in progress lines (runs trained side by side must be told apart)."""
     from melt_eval.training.config import _check_keys, load_recipe
@@ -157,4 +159,4 @@ def run_recipe(name: str | Recipe, from_model: str | None = None, output: str | 
             overrides["from_model"] = from_model
         recipe = load_recipe(name, config_file=config_file, overrides=overrides)
     return train(recipe, output, resume=resume, progress=progress, stop_after=stop_after, label=label,
-                 push_to_hub=push_to_hub, hub_model_id=hub_model_id)
+                 push_to_hub=push_to_hub, hub_model_id=hub_model_id, verify=verify)
