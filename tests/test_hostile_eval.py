@@ -387,3 +387,257 @@ def test_a_resumed_run_with_nothing_left_to_generate_keeps_the_peak(tmp_path, un
     assert resumed["generated_tokens"] == straight["generated_tokens"]
     assert resumed["segments"] == 2
     assert resumed["wall_time_s"] > stored > 0  # the first segment's generation time is counted, not reset
+
+
+# --- issue 52: nothing accepted silently ------------------------------------------------------------
+
+def _harness_written(tiny_dirs, tmp_path):
+    """A model directory as `train` exports one: its files, SHA256SUMS over them and the training record."""
+    from melt_eval.files import TRAINING_META, write_sums
+
+    ckpt = _copy(tiny_dirs, tmp_path)
+    write_sums(ckpt, [p.name for p in ckpt.iterdir() if p.is_file()])
+    (ckpt / TRAINING_META).write_text(json.dumps({"status": "finished", "recipe": {"target": "looplm"}}))
+    return ckpt
+
+
+def _zero_tensor_bytes(path, n=64):
+    data = bytearray(path.read_bytes())
+    start = 8 + int.from_bytes(data[:8], "little") + 16
+    data[start:start + n] = bytes(n)
+    path.write_bytes(bytes(data))
+
+
+def _results(out, model, task="synthetic"):
+    return json.loads((out / model / task / "results.json").read_text())
+
+
+@pytest.mark.parametrize("sums", ["deleted", "fifo", "directory"])
+def test_a_harness_written_model_without_its_sums_is_refused_unless_no_verify(tiny_dirs, tmp_path, capsys, sums):
+    """Issue 52 item 2: SHA256SUMS deleted (and weights damaged), or replaced by a FIFO or a directory: `run`
+    names it in one line and refuses; --no-verify loads it, and results.json says the sums were not verified."""
+    from melt_eval.files import SUMS_FILE
+
+    ckpt = _harness_written(tiny_dirs, tmp_path)
+    _zero_tensor_bytes(ckpt / "model.safetensors")
+    (ckpt / SUMS_FILE).unlink()
+    if sums == "fifo":
+        os.mkfifo(ckpt / SUMS_FILE)
+    elif sums == "directory":
+        (ckpt / SUMS_FILE).mkdir()
+    out = tmp_path / "out"
+    code = _main(["run", "synthetic", "--model", ckpt, "--output", out, *TINY_RUN])
+    _one_line_error(capsys, code, SUMS_FILE, "--no-verify")
+    assert not out.exists()
+    assert _main(["run", "synthetic", "--model", ckpt, "--output", out, *TINY_RUN, "--no-verify"]) == 0
+    assert _results(out, "ckpt")["sums_verified"] is False
+
+
+def test_results_record_whether_the_sums_were_verified(tiny_dirs, tmp_path):
+    """A harness-written directory with its sums: verified; a directory from elsewhere (no record, no sums: a Hub
+    snapshot, another tool's, a registry model built here) keeps loading, recorded as not verified."""
+    ckpt = _harness_written(tiny_dirs, tmp_path)
+    assert _main(["run", "synthetic", "--model", ckpt, "--output", tmp_path / "out", *TINY_RUN]) == 0
+    assert _results(tmp_path / "out", "ckpt")["sums_verified"] is True
+    elsewhere = _copy(tiny_dirs, tmp_path / "plain")
+    assert _main(["run", "synthetic", "--model", elsewhere, "--output", tmp_path / "out2", *TINY_RUN]) == 0
+    assert _results(tmp_path / "out2", "ckpt")["sums_verified"] is False
+
+
+def _jsonl(path, *rows):
+    path.write_text("".join(r if isinstance(r, str) else json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+BARE = {"task_id": "t/0", "prompt": "def f(x):\n", "entry_point": "f",
+        "test": "def check(candidate):\n    assert candidate(2) == 3\n"}
+
+
+@pytest.mark.parametrize("case", ["nan-answer", "list-problem", "index-true", "port-70000", "base-nosuch",
+                                  "uncompilable-check"])
+def test_round_three_inputs_accepted_silently_are_one_line_and_exit_2(tmp_path, capsys, case):
+    """Issue 52 item 6 (and item 5's data error): each is one line on stderr and exit 2, nothing scored."""
+    data = tmp_path / "data"
+    data.mkdir()
+    good = {"problem": "What is 1 + 1?", "answer": "2"}
+    if case == "nan-answer":
+        _jsonl(data / "aime24.jsonl", '{"problem": "What is 0/0?", "answer": NaN}\n', good)
+        args, words = ["run", "aime24", "--model", "tiny-random-ouro", "--data-dir", data], ["row 0", "nan"]
+    elif case == "list-problem":
+        _jsonl(data / "aime24.jsonl", {"problem": ["What is", "1 + 1?"], "answer": "2"})
+        args, words = ["run", "aime24", "--model", "tiny-random-ouro", "--data-dir", data], ["row 0", "list, not text"]
+    elif case == "index-true":
+        _jsonl(data / "aime24.jsonl", good, good)
+        done = _jsonl(tmp_path / "done.jsonl", {"index": True, "completions": ["\\boxed{2}"]})
+        args, words = ["score", "aime24", "--data-dir", data, "--completions", done], ["index True names no problem"]
+    elif case == "port-70000":
+        args, words = ["serve", "tiny-random-ouro", "--port", "70000", "--dry-run"], ["--port", "65535", "70000"]
+    elif case == "base-nosuch":
+        args, words = ["ablate", "gates", "--preset", "tiny", "--base", "nosuch", "--dry-run"], ["--base 'nosuch'"]
+    else:  # a test that does not compile: no completion could pass, so it is the data's error, not the model's
+        _jsonl(data / "humaneval.jsonl", dict(BARE, test="def check(candidate)\n    assert candidate(2) == 3\n"))
+        done = _jsonl(tmp_path / "done.jsonl", {"index": 0, "completions": ["    return x + 1\n"]})
+        args = ["score", "humaneval", "--data-dir", data, "--completions", done]
+        words = ["t/0", "do not compile as the checker's code", "fix the data"]
+    out = tmp_path / "out"
+    if args[0] == "run":
+        args += ["--output", out, *TINY_RUN]
+    _one_line_error(capsys, _main(args), *words)
+    assert not out.exists()
+
+
+def test_the_checker_takes_a_bare_signatures_helpers(tmp_path, capsys):
+    """Issue 52 item 5: with prompt `def f(x):` (valid HumanEval-format data, no docstring) a correct body passes
+    and a wrong one fails; helpers defined before the signature still reach the tests."""
+    data = tmp_path / "data"
+    data.mkdir()
+    helper = dict(BARE, task_id="t/1", prompt="def twice(y):\n    return 2 * y\n\ndef f(x):\n",
+                  test="def check(candidate):\n    assert candidate(2) == twice(2) - 1\n")
+    _jsonl(data / "humaneval.jsonl", BARE, helper)
+    done = _jsonl(tmp_path / "done.jsonl", {"index": 0, "completions": ["    return x + 1\n", "    return x + 2\n"]},
+                  {"index": 1, "completions": ["```python\ndef f(x):\n    return x + 1\n```", "    return x\n"]})
+    assert _main(["score", "humaneval", "--data-dir", data, "--completions", done, "--details", tmp_path / "d.jsonl"]) == 0
+    details = [json.loads(line) for line in (tmp_path / "d.jsonl").read_text().splitlines()]
+    assert [[c["correct"] for c in d["completions"]] for d in details] == [[True, False], [True, False]]
+
+
+def _stored_run(tmp_path, uninterrupted):
+    """The uninterrupted run's directory, as if killed after its last problem was stored."""
+    straight, straight_dir = uninterrupted
+    out = tmp_path / "out"
+    shutil.copytree(straight_dir, out / "tiny-random-ouro" / "synthetic")
+    task_dir = out / "tiny-random-ouro" / "synthetic"
+    (task_dir / "results.json").unlink()
+    return out, task_dir
+
+
+@pytest.mark.parametrize("line", ["conflicting", "foreign", "short"])
+def test_a_completions_line_that_conflicts_or_belongs_to_no_problem_is_refused(tmp_path, capsys, uninterrupted, line):
+    """Issue 52 item 7: a line with an existing problem's key and other completions (it replaced the original),
+    one whose key is no problem of the run (its tokens were added), or one with another sample count: named
+    in one line, and the run refuses rather than choosing."""
+    out, task_dir = _stored_run(tmp_path, uninterrupted)
+    store = task_dir / "completions.jsonl"
+    first = json.loads(store.read_text().splitlines()[0])
+    added = {"conflicting": dict(first, completions=["other", "text"], tokens=983),
+             "foreign": dict(first, key="0123456789abcdef", tokens=8),
+             "short": None}[line]
+    if added is None:  # the first line itself with one completion where the run makes two
+        rows = store.read_text().splitlines()
+        store.write_text("\n".join([json.dumps(dict(first, completions=first["completions"][:1])), *rows[1:]]) + "\n")
+    else:
+        with open(store, "a") as f:
+            f.write(json.dumps(added) + "\n")
+    before = store.read_bytes()
+    code = _main(["run", "synthetic", "--model", "tiny-random-ouro", "--output", out, "--max-problems", "3",
+                  "--samples", "2", "--max-new-tokens", "4", "--no-progress"])
+    where = {"conflicting": "completions.jsonl:4", "foreign": "completions.jsonl:4", "short": "completions.jsonl:1"}
+    _one_line_error(capsys, code, where[line], "delete", "re-run")
+    assert store.read_bytes() == before and not (task_dir / "results.json").exists()
+
+
+def test_an_identical_repeated_completions_line_is_not_a_conflict(tmp_path, uninterrupted):
+    out, task_dir = _stored_run(tmp_path, uninterrupted)
+    store = task_dir / "completions.jsonl"
+    with open(store, "a") as f:
+        f.write(store.read_text().splitlines()[0] + "\n")
+    assert _run(out)["generated_tokens"] == uninterrupted[0]["generated_tokens"]
+
+
+def test_a_full_disk_while_lighteval_writes_its_parquet_is_one_line_and_leaves_no_partial_file(
+        tmp_path, capsys, monkeypatch, uninterrupted):
+    """Issue 52 item 7: ENOSPC inside LightEval's details parquet: one line, no 0-byte parquet or results file of
+    LightEval's left, completions kept; the next run finishes as the uninterrupted one."""
+    import datasets
+
+    def full(self, f, *args, **kwargs):
+        f.write(b"PAR1")  # a start, as a real write gets before the disk fills
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(datasets.Dataset, "to_parquet", full)
+    out, task_dir = _stored_run(tmp_path, uninterrupted)
+    shutil.rmtree(task_dir / "details")
+    for old in task_dir.glob("results_*.json"):
+        old.unlink()
+    code = _main(["run", "synthetic", "--model", "tiny-random-ouro", "--output", out, "--max-problems", "3",
+                  "--samples", "2", "--max-new-tokens", "4", "--no-progress"])
+    _one_line_error(capsys, code, "the disk is full", "partial files were removed", "completions.jsonl")
+    assert not list(task_dir.glob("results_*.json")) and not (task_dir / "details").exists()
+    assert not (task_dir / "results.json").exists()
+    monkeypatch.undo()
+    assert _run(out)["metrics"] == uninterrupted[0]["metrics"]
+    assert [p.stat().st_size > 0 for p in (task_dir / "details").rglob("*.parquet")] == [True]
+
+
+def test_a_resumed_runs_progress_counts_from_the_problems_already_done(tmp_path, capsys, uninterrupted):
+    out, task_dir = _stored_run(tmp_path, uninterrupted)
+    lines = (task_dir / "completions.jsonl").read_text().splitlines()
+    (task_dir / "completions.jsonl").write_text("\n".join(lines[:2]) + "\n")
+    os.environ["MELT_EVAL_PLAIN_PROGRESS"] = "1"
+    try:
+        assert _main(["run", "synthetic", "--model", "tiny-random-ouro", "--output", out, "--max-problems", "3",
+                      "--samples", "2", "--max-new-tokens", "4"]) == 0
+    finally:
+        del os.environ["MELT_EVAL_PLAIN_PROGRESS"]
+    printed = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[tiny-random-ouro / synthetic] ")]
+    assert printed[0].split("problems ")[1].startswith("2/3"), printed  # not 0/3
+    assert printed[-1].split("problems ")[1].startswith("3/3"), printed
+
+
+# kill -9 of `run` at several points, then the same command: results.json equals the uninterrupted run's in
+# every field but the timings (wall_time_s, date, the dated names of LightEval's files) and `segments`, which
+# counts the interruptions by design
+KILL_POINTS = {
+    "before-the-first-problem": "store-add-0",
+    "after-one-problem": "store-add-1",
+    "after-every-problem": "finish",
+    "after-details-before-results": "results",
+}
+KILLER = r"""
+import os, signal, sys
+from melt_eval.evaluation import lighteval_model, runner
+point = os.environ["KILL_AT"]
+def die():
+    os.kill(os.getpid(), signal.SIGKILL)
+if point.startswith("store-add-"):
+    real, n = lighteval_model.CompletionStore.add, int(point.rsplit("-", 1)[1])
+    calls = []
+    def add(self, *a, **k):
+        if len(calls) == n:
+            die()
+        calls.append(1)
+        return real(self, *a, **k)
+    lighteval_model.CompletionStore.add = add
+elif point == "finish":
+    real_finish = runner._finish
+    runner._finish = lambda *a, **k: die()
+elif point == "results":
+    real_write = runner.write_json_atomic
+    runner.write_json_atomic = lambda path, obj: die() if path.name == "results.json" else real_write(path, obj)
+from melt_eval.cli import main
+sys.argv = ["melt-eval", *sys.argv[1:]]
+main()
+"""
+TIMINGS = ("wall_time_s", "date", "lighteval_files", "segments")
+
+
+@pytest.mark.parametrize("point", KILL_POINTS)
+def test_kill_9_at_several_points_then_the_same_command_gives_the_uninterrupted_results(tmp_path, uninterrupted,
+                                                                                      point):
+    import subprocess
+    import sys
+
+    straight, _ = uninterrupted
+    out = tmp_path / "out"
+    args = ["run", "synthetic", "--model", "tiny-random-ouro", "--output", str(out), "--max-problems", "3",
+            "--samples", "2", "--max-new-tokens", "4", "--no-progress"]
+    env = {**os.environ, "KILL_AT": KILL_POINTS[point], "OMP_NUM_THREADS": "1"}
+    killed = subprocess.run([sys.executable, "-c", KILLER, *args], env=env, capture_output=True, text=True, timeout=600)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+    task_dir = out / "tiny-random-ouro" / "synthetic"
+    assert not (task_dir / "results.json").exists()
+    assert _main(args) == 0
+    resumed = json.loads((task_dir / "results.json").read_text())
+    assert {k: v for k, v in resumed.items() if k not in TIMINGS} == {k: v for k, v in straight.items()
+                                                                       if k not in TIMINGS}
+    assert resumed["analytic_cache_bytes"] and resumed["cache_rows"]  # today's numbers, not null
