@@ -53,8 +53,9 @@ class CompletionStore:
     that peak and its rows ({"analytic_cache_bytes", "cache_rows"}; {} where the backend has none), recorded with
     it so that a resumed run reports the figures of the segment that reached the peak.
 
-    A line whose key another line already has, with other content, is refused (naming both lines): which of
-    the two the run should keep is not the harness's to guess."""
+    `check_belongs` refuses, naming the line, one whose key is no problem of the run and one that follows a
+    finished line of its problem with other content: which of the two the run should keep is not the harness's
+    to guess. (A line with fewer samples than the run makes is generated again, and the new line follows it.)"""
 
     SEGMENTS = "segments.jsonl"
 
@@ -62,7 +63,7 @@ class CompletionStore:
                  cache: Callable[[], dict] = dict) -> None:
         self.path = path
         self.done: dict[str, dict] = {}
-        self.lines: dict[str, int] = {}  # key -> its line in completions.jsonl
+        self.history: dict[str, list[tuple[int, dict]]] = {}  # key -> its lines in completions.jsonl (number, row)
         self.segment, self.started, self.peak, self.cache = uuid.uuid4().hex[:12], time.perf_counter(), peak, cache
         self.segments: dict[str | None, dict] = {}  # segment id -> {"wall_s", "peak_cache_bytes"}
         self.segments_path = path.with_name(self.SEGMENTS)
@@ -90,13 +91,8 @@ class CompletionStore:
                     "string \"completions\" and an integer \"tokens\"); delete that line (its problem is generated "
                     "again) and re-run: the other finished problems are kept"
                 )
-            if row["key"] in self.done and self.done[row["key"]] != row:
-                raise UserError(
-                    f"{path}:{number} holds problem {row['key']} again, with other completions than line "
-                    f"{self.lines[row['key']]}; delete the line that is not the run's own (or both: the problem is "
-                    "generated again) and re-run")
             self.done[row["key"]] = row
-            self.lines.setdefault(row["key"], number)
+            self.history.setdefault(row["key"], []).append((number, row))
             good += len(raw)
         if good < len(data):
             # a line cut by a kill: drop it (and anything after), so that new lines follow whole ones
@@ -120,16 +116,22 @@ class CompletionStore:
             self.segments[None] = {"wall_s": 0.0, "peak_cache_bytes": None, "cache": {}}
 
     def check_belongs(self, keys: set[str], samples: int) -> None:
-        """Every stored problem is one of this run's (`keys`) with its `samples` completions, else a one-line
-        UserError naming the line: a line from elsewhere would add its tokens, and a short one be generated
-        again beside it, and the run would choose between them silently."""
-        for key, row in self.done.items():
+        """Every stored problem is one of this run's (`keys`), and its lines are the run's own history: lines
+        with another sample count than `samples` (generated again), then at most one finished line (repeated
+        identically, if at all). Anything else is a one-line UserError naming the line: a line from elsewhere
+        would add its tokens, one after a finished line would replace it."""
+        for key, lines in self.history.items():
             if key not in keys:
-                raise UserError(f"{self.path}:{self.lines[key]} holds problem {key}, which is not one of this run's "
+                raise UserError(f"{self.path}:{lines[0][0]} holds problem {key}, which is not one of this run's "
                                 "problems; delete that line (it came from another run or was added by hand) and re-run")
-            if len(row["completions"]) != samples:
-                raise UserError(f"{self.path}:{self.lines[key]} holds {len(row['completions'])} completions where the "
-                                f"run makes {samples}; delete that line (its problem is generated again) and re-run")
+            finished = None
+            for number, row in lines:
+                if finished is not None and row != finished[1]:
+                    raise UserError(f"{self.path}:{number} holds problem {key} again, with other completions than "
+                                    f"line {finished[0]}; delete the line that is not the run's own (or both: the "
+                                    "problem is generated again) and re-run")
+                if finished is None and len(row["completions"]) == samples:
+                    finished = (number, row)
 
     @staticmethod
     def valid_row(row) -> bool:

@@ -1,0 +1,119 @@
+"""Host memory a HumanEval check holds as a whole (launcher, program, its children and the trusted checker) while
+a completion attacks the checker, per backend and per memory bound, against the check's documented bound.
+
+    python benchmarks/checker_memory.py [--bound-mib 384] [--max-processes 6]
+
+The attack is issue 52's: the completion forks a child that holds memory inside the check, and its function
+answers with one line of nested empty lists just under 16 MiB, which a checker that parses whatever it is sent
+turns into hundreds of MiB. The peak is the sum of the proportional anonymous and shared-memory set sizes
+(PSS) of every process of the check, sampled every 20 ms. For the before/after ratio, run it in one command
+with PYTHONPATH on a copy of the package whose sandbox.py and sandbox_launcher.py are the earlier commit's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import threading
+import time
+from pathlib import Path
+
+from melt_eval.evaluation import sandbox
+from melt_eval.evaluation.sandbox import SandboxLimits, run_check
+
+ATTACK = """
+import os, time
+if os.fork() == 0:
+    held = []
+    try:
+        for _ in range(40):
+            held.append(bytes([len(held) + 1]) * (8 << 20))
+    except MemoryError:
+        pass
+    time.sleep(6)
+    os._exit(0)
+time.sleep(1)
+def add(a, b):
+    line = b'{"v": [' + b'[],' * ((16 << 20) // 3 - 8) + b'[]]}\\n'
+    view = memoryview(line)
+    while view:
+        view = view[os.write(3, view):]
+    return 0
+"""
+CHECK = "def check(candidate):\n    assert candidate(2, 3) == 5\n"
+
+
+def check_pss() -> tuple[int, int]:
+    """(all the check's processes, the trusted checker alone): PSS of anonymous and shared memory, bytes."""
+    parents, cmdlines = {}, {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            parents[int(pid)] = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+            cmdlines[int(pid)] = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except (OSError, IndexError, ValueError):
+            continue
+    mine = {os.getpid()}
+    for _ in range(6):
+        mine |= {pid for pid, parent in parents.items() if parent in mine}
+    total = checker = 0
+    for pid in mine - {os.getpid()}:
+        if b"sandbox_launcher.py" not in cmdlines.get(pid, b"") and b"_melt_eval_runner" not in cmdlines.get(pid, b""):
+            continue
+        try:
+            rollup = Path(f"/proc/{pid}/smaps_rollup").read_text()
+        except OSError:
+            continue
+        pss = sum(int(line.split()[1]) << 10 for line in rollup.splitlines()
+                  if line.startswith(("Pss_Anon:", "Pss_Shmem:")))
+        total += pss
+        if b"--check" in cmdlines[pid]:
+            checker += pss
+    return total, checker
+
+
+def measure(limits: SandboxLimits) -> dict:
+    peak, done = [0, 0], threading.Event()
+
+    def watch():
+        while not done.is_set():
+            total, checker = check_pss()
+            peak[0], peak[1] = max(peak[0], total), max(peak[1], checker)
+            time.sleep(0.02)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    start = time.monotonic()
+    try:
+        result = run_check(ATTACK, CHECK, "add", limits)
+    finally:
+        done.set()
+        watcher.join()
+    return {"peak_mib": peak[0] >> 20, "checker_peak_mib": peak[1] >> 20, "passed": result.passed,
+            "memory_bound": result.layers.get("memory_bound"), "wall_s": round(time.monotonic() - start, 2),
+            "checker_said": (result.check_output.strip().splitlines() or [""])[-1][:120]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--bound-mib", type=int, default=384)
+    parser.add_argument("--max-processes", type=int, default=6)
+    args = parser.parse_args()
+    limits = SandboxLimits(timeout_s=20, memory_bytes=args.bound_mib << 20, max_processes=args.max_processes)
+    backends = ["launcher"] + (["bwrap"] if shutil.which("bwrap") else [])
+    bounds = (["cgroup"] if sandbox._memory_cgroup_parent() is not None else []) + ["address_space_budget"]
+    out = {"bound_mib": args.bound_mib, "load_start": os.getloadavg(), "runs": []}
+    real_cgroup = sandbox._new_cgroup
+    for name in backends:
+        sandbox.use_backend(name)
+        for bound in bounds:
+            sandbox._new_cgroup = real_cgroup if bound == "cgroup" else (lambda memory_bytes: None)
+            out["runs"].append({"backend": name, "bound": bound, **measure(limits)})
+    sandbox._new_cgroup = real_cgroup
+    out["load_end"] = os.getloadavg()
+    print(json.dumps(out, indent=2))
+
+
+if __name__ == "__main__":
+    main()
