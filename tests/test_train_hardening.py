@@ -4,6 +4,7 @@ continues; damaged checkpoints are caught by their SHA-256 (resume falls back, `
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import random
@@ -17,6 +18,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from melt_eval.errors import UserError
 from melt_eval.files import SUMS_FILE
 from melt_eval.training import run_recipe
 
@@ -212,3 +214,55 @@ def test_resume_with_nothing_to_resume_says_to_start_without_it(tmp_path, capsys
             out.mkdir()
         code = _main([*TRAIN, "--output", out, "--resume"])
         _one_line_error(capsys, code, "--resume", "without --resume")
+
+
+# --- a checkpoint save on a full disk (issue 52 item 7) ---------------------------------------------------
+
+class _OneProcess:
+    """What write_checkpoint asks of Accelerate, on one process; save_state writes a 4 MiB tensor with torch."""
+
+    is_main_process = True
+
+    def wait_for_everyone(self):
+        pass
+
+    def save_state(self, directory):
+        os.makedirs(directory, exist_ok=True)
+        torch.save(torch.zeros(1 << 20), os.path.join(directory, "model.bin"))
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 1 MiB tmpfs (root only: elsewhere the test skips; the ENOSPC test below runs anywhere)."""
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)], capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here (not root)")
+    yield mount
+    subprocess.run(["umount", str(mount)], check=True)
+
+
+def test_a_checkpoint_save_on_a_full_disk_says_no_space_left(small_disk):
+    """torch's writer reports only `unexpected pos ...` / `file write failed`: the line says the disk is full,
+    and no partial checkpoint stays behind."""
+    from melt_eval.training.checkpoints import write_checkpoint
+
+    with pytest.raises(UserError, match="could not write checkpoint step-000003: no space left on device"):
+        write_checkpoint(_OneProcess(), small_disk / "run", {"step": 3}, 2, None)
+    assert os.listdir(small_disk / "run" / "checkpoints") == []
+
+
+def test_a_checkpoint_save_failing_with_enospc_says_no_space_left(tmp_path, monkeypatch):
+    from melt_eval.training.checkpoints import write_checkpoint
+
+    def full(self, directory):
+        os.makedirs(directory, exist_ok=True)
+        try:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        except OSError:  # torch wraps the write's failure in its own RuntimeError
+            raise RuntimeError("[enforce fail at inline_container.cc:603] . unexpected pos 64 vs 0")
+
+    monkeypatch.setattr(_OneProcess, "save_state", full)
+    with pytest.raises(UserError, match="no space left on device.*rerun with --resume"):
+        write_checkpoint(_OneProcess(), tmp_path / "run", {"step": 3}, 2, None)
+    assert os.listdir(tmp_path / "run" / "checkpoints") == []

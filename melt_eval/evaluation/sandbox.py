@@ -29,8 +29,11 @@ Per check on the launcher (the child side is `sandbox_launcher.py`):
 
 Memory is bounded per check as a whole: the harness makes a memory cgroup for each check where it can (v1
 `memory`, or v2 with memory delegated) and moves the launcher into it before anything forks, so all the
-check's processes, its tmpfs pages and pipes count together. Where it cannot, the address-space limit is the
-check's budget divided by `max_processes` (RLIMIT_NPROC counts them). Memory no address-space limit sees is
+check's processes, its tmpfs pages and pipes count together; `run_check`'s trusted checker joins the same
+cgroup before it reads its token (the harness writes the token only then). Where it cannot, the address-space
+limit is the check's budget divided by `max_processes` (RLIMIT_NPROC counts them), plus one share for the
+checker (`sandbox_launcher.share_bytes`). The checker bounds what it parses: no answer over `ANSWER_BYTES` or
+nested deeper than `ANSWER_DEPTH`, both checked before `json.loads`. Memory no address-space limit sees is
 refused (memfd_create, memfd_secret and SysV shmget by seccomp, POSIX message queues by RLIMIT_MSGQUEUE), and
 RLIMIT_NOFILE bounds open files and so pipe buffers. Temp directories and cgroups carry the harness's pid; a
 check removes those whose harness is dead (kill -9 runs no cleanup).
