@@ -45,8 +45,11 @@ def add(a, b):
 CHECK = "def check(candidate):\n    assert candidate(2, 3) == 5\n"
 
 
-def check_pss() -> tuple[int, int]:
-    """(all the check's processes, the trusted checker alone): PSS of anonymous and shared memory, bytes."""
+def check_pss() -> tuple[int, int, list]:
+    """(all the check's processes, the trusted checker alone, each process as (pid, parent, MiB)): the PSS of
+    their anonymous and shared-memory pages, bytes. Not the host's cached libraries, which every Python maps
+    and a cgroup charges to whoever read them first. The check's processes are this process's descendants
+    that run the launcher, bwrap, the runner or the checker (not a fork yet to exec)."""
     parents, cmdlines = {}, {}
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
@@ -55,11 +58,12 @@ def check_pss() -> tuple[int, int]:
         except (OSError, IndexError, ValueError):
             continue
     mine = {os.getpid()}
-    for _ in range(6):
+    for _ in range(6):  # launcher, init, program, its children
         mine |= {pid for pid, parent in parents.items() if parent in mine}
     total = checker = 0
+    parts = []
     for pid in mine - {os.getpid()}:
-        if b"sandbox_launcher.py" not in cmdlines.get(pid, b"") and b"_melt_eval_runner" not in cmdlines.get(pid, b""):
+        if b"evaluation/sandbox_launcher.py" not in cmdlines[pid] and b"_melt_eval_runner" not in cmdlines[pid]:
             continue
         try:
             rollup = Path(f"/proc/{pid}/smaps_rollup").read_text()
@@ -68,9 +72,10 @@ def check_pss() -> tuple[int, int]:
         pss = sum(int(line.split()[1]) << 10 for line in rollup.splitlines()
                   if line.startswith(("Pss_Anon:", "Pss_Shmem:")))
         total += pss
+        parts.append((pid, parents[pid], pss >> 20))
         if b"--check" in cmdlines[pid]:
             checker += pss
-    return total, checker
+    return total, checker, parts
 
 
 def measure(limits: SandboxLimits) -> dict:
@@ -78,7 +83,7 @@ def measure(limits: SandboxLimits) -> dict:
 
     def watch():
         while not done.is_set():
-            total, checker = check_pss()
+            total, checker, _ = check_pss()
             peak[0], peak[1] = max(peak[0], total), max(peak[1], checker)
             time.sleep(0.02)
 

@@ -4,6 +4,7 @@ a completion passes only when its check ran to the end, and a machine that refus
 from __future__ import annotations
 
 import ctypes
+import functools
 import gzip
 import json
 import math
@@ -530,28 +531,8 @@ def test_the_164_canonical_solutions_pass():
 
 
 def _descendants_pss() -> tuple[int, list]:
-    """Proportional anonymous and shared-memory set size (bytes) of this test's sandbox processes (descendants
-    running the launcher, bwrap or the runner; not a fork yet to exec), the check's host memory, and its parts."""
-    parents = {}
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            parents[int(pid)] = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            continue
-    mine, total, parts = {os.getpid()}, 0, []
-    for _ in range(6):  # launcher, init, program, its children
-        mine |= {pid for pid, parent in parents.items() if parent in mine}
-    for pid in (mine - {os.getpid()}) & sandbox_processes():
-        try:
-            rollup = Path(f"/proc/{pid}/smaps_rollup").read_text()
-        except OSError:
-            continue
-        # what the check itself holds: anonymous and shared-memory pages (not the host's cached libraries, which
-        # every Python maps and a cgroup charges to whoever read them first)
-        pss = sum(int(line.split()[1]) << 10 for line in rollup.splitlines()
-                  if line.startswith(("Pss_Anon:", "Pss_Shmem:")))
-        total += pss
-        parts.append((pid, parents[pid], pss >> 20))
+    """This test's sandbox processes' host memory (benchmarks/checker_memory.py's measure) and its parts."""
+    total, _, parts = _benchmark("checker_memory").check_pss()
     return total, parts
 
 
@@ -577,20 +558,19 @@ time.sleep(4)
 """
 
 
-@pytest.mark.parametrize("bound", ["cgroup", "address_space_budget"])
-def test_a_check_stays_under_its_memory_bound(bound, monkeypatch, backend):
-    """Processes that fork and allocate hold at most the check's bound in host memory, together; memfds, SysV
-    shared memory and open files past the limit are refused."""
+def _sampled(bound: str, monkeypatch, run):
+    """`run()` under the memory bound `bound` ("cgroup", skipped where none can be made, or
+    "address_space_budget"), this test's sandbox processes' PSS sampled every 20 ms meanwhile; returns what
+    `run` returned and [the peak in bytes, its parts]."""
+    import threading
+
     from melt_eval.evaluation import sandbox
 
     if bound == "cgroup" and sandbox._memory_cgroup_parent() is None:
         pytest.skip("no memory cgroup the harness can make here")
     if bound != "cgroup":
         monkeypatch.setattr(sandbox, "_new_cgroup", lambda memory_bytes: None)
-    limits = SandboxLimits(timeout_s=20, memory_bytes=384 << 20, max_processes=6)
-    import threading
-
-    out, peak, done = {}, [0, []], threading.Event()
+    peak, done = [0, []], threading.Event()
 
     def watch():
         while not done.is_set():
@@ -600,11 +580,29 @@ def test_a_check_stays_under_its_memory_bound(bound, monkeypatch, backend):
     watcher = threading.Thread(target=watch)
     watcher.start()
     try:
-        out["r"] = run_python(FORK_AND_ALLOCATE, limits)
+        return run(), peak
     finally:
         done.set()
         watcher.join()
-    result = out["r"]
+
+
+@functools.cache
+def _benchmark(name: str):
+    """A script of benchmarks/ as a module (its attack programs and measures are the ones the tests use)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(f"benchmark_{name}", ROOT / "benchmarks" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("bound", ["cgroup", "address_space_budget"])
+def test_a_check_stays_under_its_memory_bound(bound, monkeypatch, backend):
+    """Processes that fork and allocate hold at most the check's bound in host memory, together; memfds, SysV
+    shared memory and open files past the limit are refused."""
+    limits = SandboxLimits(timeout_s=20, memory_bytes=384 << 20, max_processes=6)
+    result, peak = _sampled(bound, monkeypatch, lambda: run_python(FORK_AND_ALLOCATE, limits))
     assert result.layers["memory_bound"] == bound
     held = result.stdout.count("+") * (16 << 20)
     assert held >= (64 << 20), result  # the program did fill memory (it tries to hold 1 GiB)
@@ -614,27 +612,10 @@ def test_a_check_stays_under_its_memory_bound(bound, monkeypatch, backend):
         assert not run_python(f"import os\n{attempt}").passed, attempt
 
 
-# Issue 52's attack on the trusted checker: the completion forks a child that holds memory inside the check,
-# and its function answers with one 16 MiB line of nested empty lists, which the checker parsed outside the bound.
-CHECKER_ATTACK = """
-import os, time
-if os.fork() == 0:
-    held = []
-    try:
-        for _ in range(40):
-            held.append(bytes([len(held) + 1]) * (8 << 20))  # written: resident, not just reserved
-    except MemoryError:
-        pass
-    time.sleep(6)
-    os._exit(0)
-time.sleep(1)
-def add(a, b):
-    line = b'{"v": [' + b'[],' * ((16 << 20) // 3 - 8) + b'[]]}\\n'
-    view = memoryview(line)
-    while view:
-        view = view[os.write(3, view):]
-    return 0
-"""
+# Issue 52's attack on the trusted checker, as benchmarks/checker_memory.py measures it: the completion forks a
+# child that holds memory inside the check, and its function answers with one line just under 16 MiB of nested
+# empty lists, which the checker parsed outside the bound
+CHECKER_ATTACK = _benchmark("checker_memory").ATTACK
 DEEP_ANSWER = ("import os\ndef add(a, b):\n    os.write(3, b'{\"v\": ' + b'[' * 200000 + b']' * 200000 + b'}\\n')\n"
                "    return 0\n")
 
@@ -644,32 +625,12 @@ def test_the_trusted_checker_counts_inside_the_checks_memory_bound(bound, monkey
     """The whole process tree of a HumanEval check (launcher, program, its child and the trusted checker) stays
     under the check's bound during issue 52's attack; the checker reads no answer over 1 MiB or nested deeper
     than ANSWER_DEPTH, and the attack fails."""
-    import threading
-
-    from melt_eval.evaluation import sandbox
     from melt_eval.evaluation.sandbox import run_check
 
-    if bound == "cgroup" and sandbox._memory_cgroup_parent() is None:
-        pytest.skip("no memory cgroup the harness can make here")
-    if bound != "cgroup":
-        monkeypatch.setattr(sandbox, "_new_cgroup", lambda memory_bytes: None)
     limits = SandboxLimits(timeout_s=20, memory_bytes=384 << 20, max_processes=6)
     source = PROBLEM["test"]
-    out, peak, done = {}, [0, []], threading.Event()
-
-    def watch():
-        while not done.is_set():
-            peak[:] = max(peak, list(_descendants_pss()))
-            time.sleep(0.02)
-
-    watcher = threading.Thread(target=watch)
-    watcher.start()
-    try:
-        out["flood"] = run_check(CHECKER_ATTACK, source, "add", limits)
-        out["deep"] = run_check(DEEP_ANSWER, source, "add", limits)
-    finally:
-        done.set()
-        watcher.join()
+    out, peak = _sampled(bound, monkeypatch, lambda: {"flood": run_check(CHECKER_ATTACK, source, "add", limits),
+                                                       "deep": run_check(DEEP_ANSWER, source, "add", limits)})
     assert peak[0] <= limits.memory_bytes + (16 << 20), (peak[0] >> 20, peak[1])  # slack: one step in flight
     assert out["flood"].layers["memory_bound"] == bound
     assert not out["flood"].passed and "answered more than 1 MiB" in out["flood"].check_output, out["flood"]
