@@ -399,10 +399,12 @@ def _run_one(spec, rows, loaded: LoadedModel, options: InferenceOptions, identit
                             cache=lambda: dict(getattr(loaded.backend, "cache_info", None) or {}))
     prompt = task_config(spec).prompt_function
     store.check_belongs({problem_key(prompt(row, f"{spec.name}|0")) for row in rows}, options.sampling.samples)
+    # a resumed run's progress starts from the problems it finished (a short line is generated again)
+    finished = sum(len(r["completions"]) == options.sampling.samples for r in store.done.values())
     with task_progress(f"{identity['model']} / {spec.name}", len(rows), options.sampling.samples,
-                       enabled=progress, done=len(store.done)) as on_batch:  # a resumed run counts from its done
+                       enabled=progress, done=finished) as on_batch:
         model = HarnessModel(loaded.display, loaded.tokenizer, loaded.backend, options, store, on_batch=on_batch,
-                             counted=len(store.done))
+                             counted=finished)
         with out_of_memory_as_user_error(len(store.done)):
             metrics, details, (lighteval_files, lighteval_date) = evaluate(spec, rows, model, task_dir / ".lighteval",
                                                                            save_to=task_dir)
