@@ -11,6 +11,7 @@ import torch
 from safetensors.torch import load_file
 
 from helpers import main_exit_code, one_line_error
+from melt_eval.files import write_sums
 from melt_eval.generation.options import checkpoint_prefill_chunk
 from melt_eval.modeling import LoopLMForCausalLM, MeltForCausalLM, load_model
 from melt_eval.modeling.early_exit import exit_logit
@@ -49,6 +50,8 @@ def test_only_the_gate_changes_and_the_checkpoint_stays_what_it_was(tiny_dirs, t
     trained_with = {"target": "melt", "chunk_size": 1, "prompt_as_one_chunk": True, "seq_len": 112}
     (src / "melt_eval_training.json").write_text(json.dumps({"status": "finished", "recipe": trained_with,
                                                              "teacher": "the-teacher"}))
+    # as `train` exports one: with its SHA256SUMS (a directory with a training record and no sums is refused)
+    write_sums(src, [p.name for p in src.iterdir() if p.is_file() and p.name != "melt_eval_training.json"])
     out = run_recipe("tiny-exit-gate", str(src), tmp_path / "out", progress=False,
                      overrides={**FAST, "max_steps": 3, "mixed_precision": precision})
     before, after = load_file(src / "model.safetensors"), load_file(out / "model.safetensors")
