@@ -637,3 +637,20 @@ def test_kill_9_at_several_points_then_the_same_command_gives_the_uninterrupted_
     assert {k: v for k, v in resumed.items() if k not in TIMINGS} == {k: v for k, v in straight.items()
                                                                        if k not in TIMINGS}
     assert resumed["analytic_cache_bytes"] and resumed["cache_rows"]  # today's numbers, not null
+
+
+def test_a_full_disk_when_run_json_is_written_is_one_line(tmp_path, capsys, monkeypatch):
+    """Issue 52 item 7: anywhere in a task's run, not only the files that had their own handler."""
+    from melt_eval.evaluation import runner
+
+    real = runner.write_json_atomic
+
+    def full(path, obj):
+        if path.name == "run.json":
+            raise OSError(errno.ENOSPC, "No space left on device", str(path))
+        return real(path, obj)
+
+    monkeypatch.setattr(runner, "write_json_atomic", full)
+    code = _main(["run", "synthetic", "--model", "tiny-random-ouro", "--output", tmp_path / "out", *TINY_RUN])
+    _one_line_error(capsys, code, "run.json", "the disk is full")
+    assert not list((tmp_path / "out").rglob("run.json"))
