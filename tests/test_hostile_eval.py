@@ -654,3 +654,12 @@ def test_a_full_disk_when_run_json_is_written_is_one_line(tmp_path, capsys, monk
     code = _main(["run", "synthetic", "--model", "tiny-random-ouro", "--output", tmp_path / "out", *TINY_RUN])
     _one_line_error(capsys, code, "run.json", "the disk is full")
     assert not list((tmp_path / "out").rglob("run.json"))
+
+
+def test_train_config_on_a_fifo_is_named_not_missing(tmp_path, capsys):
+    """Issue 52 item 7: `train --config` on a FIFO said the path "does not exist"."""
+    fifo = _fifo(tmp_path / "keys.yaml")
+    code = _main(["train", "--recipe", "tiny-phase1", "--from", "tiny-random-ouro", "--output", tmp_path / "t",
+                  "--config", fifo])
+    _one_line_error(capsys, code, "--config", "keys.yaml is a FIFO", "a YAML file of recipe keys")
+    assert not (tmp_path / "t").exists()
