@@ -120,3 +120,19 @@ def test_graphs_need_cuda_and_the_option_is_a_flag(models):
         InferenceOptions(cuda_graphs="no")
     # on the CPU the default is eager, whatever the option says
     assert decode_step.captured_mode("cpu", None, cuda_graphs=True) == ("eager", None)
+
+
+@pytest.mark.parametrize("flags,graphs", [([], True), (["--no-cuda-graphs"], False)])
+def test_the_run_flag_reaches_the_engine_options(monkeypatch, flags, graphs):
+    from typer.testing import CliRunner
+
+    import melt_eval.evaluation as evaluation
+    from melt_eval.cli import app
+
+    seen = {}
+    monkeypatch.setattr(evaluation, "run_tasks", lambda tasks, model, options, *a, **k: seen.setdefault("o", options) and [])
+    result = CliRunner().invoke(app, ["run", "synthetic", "--model", "tiny-random-melt", *flags])
+    assert result.exit_code == 0, result.output
+    assert seen["o"].cuda_graphs is graphs
+    help_text = CliRunner().invoke(app, ["run", "--help"], env={"COLUMNS": "200"}).output
+    assert "--no-cuda-graphs" in help_text
