@@ -1,33 +1,40 @@
 """Every GPU figure of the harness from one prepared run: MELT training and decoding at the paper's shape.
 
-    python benchmarks/gpu.py [--quick] [--json PATH] [--budget-s S] [--device cuda|cpu]
+    python benchmarks/gpu.py [--quick] [--json PATH] [--budget-s S] [--device cuda|cpu] [--only M1,M2]
 
-A GPU is lent for minutes, so this script is ready before one is. It runs its measures in order
-of importance, writes the JSON after every result (a run cut short still returns its figures)
-and starts nothing that its time budget cannot finish:
+A GPU is lent for minutes, so this script is ready before one is. Each measure runs in its own
+process (`--measure NAME`, started by the parent), which first checks that the device's memory is
+free: the first H100 run showed that a measure's model, optimiser and KV store outlive it in one
+process (75.5 GB still allocated when the next measure started, so every later one ran out of
+memory). The parent gives each measure a slot of seconds (`SLOTS`, at most what is left of the
+budget), kills a measure that overruns it, and writes the JSON after every result (a run cut short
+still returns its figures). The slots add up to the 420 s budget, so the whole run stays within 7 min.
 
 1. phase1_step: one phase-1 optimiser step of MELT-1.6B (Ouro-1.4B shape, random weights,
    elementwise gates), L = 10,000, C = 500, alpha 0.5 (both KV sets), all-loop KD against the frozen
    bf16 teacher, activation checkpointing, B = 1, AdamW: the runner's set-up (fp32 weights under
-   bf16 autocast). Peak allocated/reserved memory, tokens/s over 3 timed steps after a warm-up, the
+   bf16 autocast). Peak allocated/reserved memory, tokens/s over the timed steps after a warm-up, the
    same for the parallel C = L pass, their ratio and the ratio to the paper's tokens/s per GPU. If
    L = 10,000 does not fit, the largest L at C = 500 that does.
-2. decode: the native engine's decode step (the engine's `run_chunk` over its static cache, the
+2. decode: the native engine's eager decode step (the engine's `run_chunk` over its static cache, the
    engine's attention kernels and key mask) at the 1.4B shape, Ouro against MELT, the cache filled
    to 4K and 32K tokens (its contents do not change the work): 16 samples run in waves that fit a
    40 GiB cache budget, tokens/s and the measured cache bytes; the largest batch each fits in 40 GiB
    (allocated to prove it); both at the same batch at 32K; bytes read per generated token against
    the measured device bandwidth (the roofline).
-3. chunk_overhead: phase-1 step time at L = 4,096 against the number of chunks, fitted as
+3. decode_graphed: the engine's captured decode step (`generation/decode_step.py`: static cache
+   addressed by a device-side column, compiled with fullgraph, replayed as a CUDA graph) at 32K: Ouro
+   at batch 1, MELT at batch 1 and at the largest batch in 40 GiB; compile + capture time apart.
+4. chunk_overhead: phase-1 step time at L = 4,096 against the number of chunks, fitted as
    fixed + per-chunk (as benchmarks/train_throughput.py does on the CPU).
-4. phase1_step_compiled: measure 1 with the compiled layer step (compilation timed apart). Last,
+5. phase1_step_compiled: measure 1 with the compiled layer step (compilation timed apart). Last,
    because compilation time is the least predictable and the eager figures answer the aims.
 
-`--quick` runs every measure at tiny shapes on the CPU (or the given device) in well under two
-minutes with the same precision set-up: bf16 autocast, the same recipe and options (compiled with
-the `aot_eager` backend, which traces as inductor does without generating code), so the CPU test
-exercises the GPU's code path. On CUDA the training steps use SDPA's flash or memory-efficient
-kernels only, and every timer synchronises the device.
+`--quick` runs every measure at tiny shapes on the CPU (or the given device) in a few minutes with
+the same precision set-up: bf16 autocast, the same recipe and options (compiled with the `aot_eager`
+backend, which traces as inductor does without generating code), so the CPU test exercises the GPU's
+code path. On CUDA the training steps use SDPA's flash or memory-efficient kernels only, and every
+timer synchronises the device.
 """
 
 from __future__ import annotations
@@ -39,6 +46,7 @@ import json
 import math
 import os
 import platform
+import subprocess
 import sys
 import time
 import traceback
@@ -66,7 +74,13 @@ PHASE1_STEP = 250  # alpha = 250 / 500 = 0.5: both KV sets (the larger phase-1 c
 OURO_1_4B = dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=24, num_attention_heads=16, head_dim=128,
                  vocab_size=49152)
 TINY = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2, head_dim=64, vocab_size=512)
-MEASURES = ("phase1_step", "decode", "chunk_overhead", "phase1_step_compiled")
+MEASURES = ("phase1_step", "decode", "decode_graphed", "chunk_overhead", "phase1_step_compiled")
+# Seconds each measure may take at most, its process start-up included (the first H100 run took 109 s for
+# phase1_step, 24 s for decode and 122 s for chunk_overhead): they add up to the default budget, and a
+# measure cuts its own work short (its Clock) before the parent would kill it.
+SLOTS = {"phase1_step": 120, "decode": 40, "decode_graphed": 110, "chunk_overhead": 60, "phase1_step_compiled": 90}
+# What a fresh process may already hold on the device: its own CUDA context (about 0.5 GiB on an H100).
+CONTEXT_SLACK = 2 * 2**30
 GiB = 2**30
 
 
@@ -86,7 +100,7 @@ class Shapes:
     compile_backend: str
 
 
-FULL = Shapes(OURO_1_4B, 10_000, 500, 3, (8_000, 6_000, 4_000, 2_000, 1_000), (4_096, 32_768), 16, 16, 40 * GiB,
+FULL = Shapes(OURO_1_4B, 10_000, 500, 2, (8_000, 6_000, 4_000, 2_000, 1_000), (4_096, 32_768), 16, 16, 40 * GiB,
               4_096, (4_096, 2_048, 1_024, 512, 256), "inductor")
 QUICK = Shapes(TINY, 128, 32, 2, (64,), (128, 512), 8, 4, 4 * 2**20, 128, (128, 64, 32), "aot_eager")
 
@@ -173,8 +187,22 @@ def free(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
-def is_oom(exc: BaseException) -> bool:
-    return isinstance(exc, torch.OutOfMemoryError) or "out of memory" in str(exc).lower()
+def device_in_use(device: torch.device) -> int:
+    """Bytes of the device's memory in use by anyone (this process's CUDA context included); 0 on the CPU."""
+    if device.type != "cuda":
+        return 0
+    free_bytes, total = torch.cuda.mem_get_info(device)
+    return total - free_bytes
+
+
+def assert_device_free(device: torch.device, measure: str) -> int:
+    """A measure starts on an empty device: what another process (an earlier measure that did not exit)
+    still holds would turn this measure's figures into out-of-memory errors."""
+    used = device_in_use(device)
+    if used > CONTEXT_SLACK:
+        raise RuntimeError(f"{measure}: {used / GiB:.1f} GiB of the device are in use at the start (more than this "
+                           f"process's context); end the process holding them (nvidia-smi) and rerun")
+    return used
 
 
 # --- 1 and 3: training steps ------------------------------------------------------------------------------
@@ -230,9 +258,11 @@ class Trainer:
     def try_timed(self, seq_len: int, chunk: int, steps: int) -> dict:
         try:
             return self.timed(seq_len, chunk, steps)
-        except RuntimeError as exc:
-            if not is_oom(exc):
-                raise
+        except torch.OutOfMemoryError:
+            pass  # handled below, outside the except block: its traceback holds the step's frames and graph
+        # An error inside `opt.step()` leaves AdamW's state half-built (the first run's KeyError 'exp_avg_sq'):
+        # start it afresh, as a first step would, with the gradients of the failed step dropped.
+        self.opt.state.clear()
         self.opt.zero_grad(set_to_none=True)
         free(self.device)
         return {"seq_len": seq_len, "chunk_size": chunk, "oom": True}
@@ -392,9 +422,7 @@ def decode(report: Report, shapes: Shapes, device: torch.device, clock: Clock) -
                 store = cache_for(model, most, long + new + 2, device)
                 fits = store.nbytes <= budget
                 del store
-            except RuntimeError as exc:
-                if not is_oom(exc):
-                    raise
+            except torch.OutOfMemoryError:
                 fits = False
             free(device)
         capacity[name] = {"max_batch": most, "allocated": fits}
@@ -409,6 +437,58 @@ def decode(report: Report, shapes: Shapes, device: torch.device, clock: Clock) -
                                       "melt_vs_ouro_tokens_per_s": eq["ouro"]["step_s"] / eq["melt"]["step_s"]})
 
 
+@torch.no_grad()
+def graphed_steps(model, rows: int, context: int, new: int, device: torch.device, clock: Clock, backend: str) -> dict:
+    """`decode_steps` through the engine's captured step: compile (and, on CUDA, capture) on the first calls,
+    timed apart, then `new` timed steps."""
+    from melt_eval.generation.decode_step import DecodeStep
+
+    warmup = 3  # the compiling call, the graph's recording call, one replay
+    store = cache_for(model, rows, context + warmup + new, device)
+    store.length = context
+    key_mask = torch.ones(rows, store.capacity, dtype=torch.bool, device=device)
+    mode = "graphed" if device.type == "cuda" else "compiled"
+    step = DecodeStep(model, model.make_policy(store), key_mask, mode=mode, backend=backend)
+    tokens = torch.zeros(rows, 1, dtype=torch.long, device=device)
+    t0 = clock.now()
+    for i in range(warmup + new):
+        if i == warmup:
+            compile_s, t0 = clock.now() - t0, clock.now()
+        pos = torch.full((rows, 1), store.length, device=device)
+        tokens = step(tokens, pos).argmax(-1, keepdim=True)
+    step_s = (clock.now() - t0) / new
+    nbytes = store.nbytes
+    del step, store
+    return {"rows": rows, "step_s": step_s, "compile_s": compile_s, "mode": mode, "cache_bytes": nbytes}
+
+
+def decode_graphed(report: Report, shapes: Shapes, device: torch.device, clock: Clock) -> None:
+    student, teacher = build_pair(shapes.model, device)
+    models = {"ouro": teacher.eval(), "melt": student.to(torch.bfloat16).eval()}
+    bandwidth = measure_bandwidth(device, clock)
+    long, new, budget = max(shapes.decode_contexts), shapes.decode_new, shapes.cache_budget
+    backend = "inductor" if shapes.compile_backend == "inductor" else shapes.compile_backend
+    report.put("decode_graphed", bandwidth_bytes_per_s=bandwidth, context=long, new_tokens=new, backend=backend)
+    most = budget // cache_for(models["melt"], 1, long + new + 3, "meta").nbytes
+    # the aims' rows first: Ouro at batch 1, MELT at the batch 40 GiB holds; MELT at batch 1 for the ratio last
+    runs = [("ouro", 1), ("melt", max(1, min(most, shapes.decode_samples))), ("melt", 1)]
+    rows_out = []
+    for name, rows in runs:
+        if rows_out and clock.left() < 1.5 * max(r["compile_s"] + new * r["step_s"] for r in rows_out) + 5:
+            report.put("decode_graphed", stopped="time budget")
+            break
+        r = graphed_steps(models[name], rows, long, new, device, clock, backend)
+        read = bytes_read_per_step(models[name], rows, long)
+        rows_out.append({"model": name, "context": long, **r, "tokens_per_s": rows / r["step_s"],
+                         "bytes_read_per_token": read / rows, "roofline_step_s": read / bandwidth,
+                         "bandwidth_fraction": (read / r["step_s"]) / bandwidth, "load_avg": os.getloadavg()})
+        report.put("decode_graphed", rows=rows_out)
+        free(device)
+    one = {r["model"]: r for r in rows_out if r["rows"] == 1}
+    if len(one) == 2:
+        report.put("decode_graphed", melt_vs_ouro_tokens_per_s_batch_1=one["ouro"]["step_s"] / one["melt"]["step_s"])
+
+
 # --- the run -----------------------------------------------------------------------------------------------
 
 
@@ -419,6 +499,10 @@ def aims(doc: dict, quick: bool) -> list[dict]:
     chunked = p1.get("chunked", {})
     peak = chunked.get("peak_reserved_bytes")
     eq = dec.get("equal_batch", {})
+    graphed = {(r["model"], r["rows"]): r for r in m["decode_graphed"].get("rows", [])}
+    g_ouro = graphed.get(("ouro", 1), {}).get("bandwidth_fraction")
+    g_melt = max((r["bandwidth_fraction"] for (n, b), r in graphed.items() if n == "melt" and b > 1), default=None)
+    g_ratio = m["decode_graphed"].get("melt_vs_ouro_tokens_per_s_batch_1")
 
     def row(what, aim, value, ok):
         return {"measure": what, "aim": aim, "value": value, "met": None if value is None else bool(ok)}
@@ -434,6 +518,9 @@ def aims(doc: dict, quick: bool) -> list[dict]:
             dec.get("capacity_ratio"), (dec.get("capacity_ratio") or 0) >= 3.9),
         row("MELT decode tokens/s at equal batch, longest context", ">= 0.9x Ouro's", eq.get("melt_vs_ouro_tokens_per_s"),
             (eq.get("melt_vs_ouro_tokens_per_s") or 0) >= 0.9),
+        row("graphed decode, Ouro 32K batch 1: share of bandwidth", ">= 0.5", g_ouro, (g_ouro or 0) >= 0.5),
+        row("graphed decode, MELT 32K, largest batch in 40 GiB: share of bandwidth", ">= 0.6", g_melt, (g_melt or 0) >= 0.6),
+        row("graphed decode, MELT against Ouro tokens/s at batch 1, 32K", ">= 0.9x", g_ratio, (g_ratio or 0) >= 0.9),
         row("the whole script, s", "<= 420", doc.get("total_s"), (doc.get("total_s") or 1e9) <= 420),
     ] if not quick else [{**r, "met": None} for r in aims(doc, False)]
 
@@ -452,13 +539,58 @@ def print_table(doc: dict) -> None:
         print(f"{r['measure']:<68} {r['aim']:<22} {value:>10}  {met}")
 
 
+RUNNERS = {
+    "phase1_step": lambda r, sh, d, c: phase1(r, "phase1_step", sh, d, c, compiled=False),
+    "decode": decode,
+    "decode_graphed": decode_graphed,
+    "chunk_overhead": chunk_overhead,
+    "phase1_step_compiled": lambda r, sh, d, c: phase1(r, "phase1_step_compiled", sh, d, c, compiled=True),
+}
+STARTUP_S = 15  # a child's imports and device start-up, inside its slot
+
+
+def run_measure(name: str, args, device: torch.device, shapes: Shapes) -> dict:
+    """The child: one measure in this fresh process, its fields written to args.json as they come."""
+    clock = Clock(device, args.budget_s)
+    report = Report(args.json, {})
+    report.doc["measures"] = {name: {"status": "running"}}
+    try:
+        report.put(name, pid=os.getpid(), device_in_use_at_start_bytes=assert_device_free(device, name))
+        RUNNERS[name](report, shapes, device, clock)
+        report.put(name, status="done")
+    except Exception as exc:  # reported in the JSON; the parent goes on with the next measure
+        traceback.print_exc()
+        report.put(name, status="error", error=f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
+    return report.doc["measures"][name]
+
+
+def spawn(name: str, args, slot: float, part: Path) -> dict:
+    """The parent: run one measure in its own process within `slot` seconds; what it wrote survives a crash."""
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--measure", name, "--json", str(part),
+           "--budget-s", str(max(1.0, slot - STARTUP_S)), "--device", args.device] + (["--quick"] if args.quick else [])
+    part.unlink(missing_ok=True)
+    try:
+        proc = subprocess.run(cmd, timeout=slot, stderr=subprocess.PIPE, text=True)
+        tail = proc.stderr.strip().splitlines()[-1:] if proc.returncode else []
+        sys.stderr.write(proc.stderr)
+        failure = f"exit {proc.returncode}: {tail[0] if tail else ''}" if proc.returncode else None
+    except subprocess.TimeoutExpired:
+        failure = f"killed after its slot of {slot:.0f} s"
+    fields = json.loads(part.read_text())["measures"][name] if part.is_file() else {}
+    part.unlink(missing_ok=True)
+    if failure or fields.get("status") in (None, "running"):
+        fields.update(status="error", error=fields.get("error") or failure or "no result")
+    return fields
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="every measure at tiny shapes (the CPU test; under 2 minutes)")
+    ap.add_argument("--quick", action="store_true", help="every measure at tiny shapes (the CPU test; a few minutes)")
     ap.add_argument("--json", type=Path, default=None, help="write the results here (rewritten after every result)")
     ap.add_argument("--budget-s", type=float, default=420.0, help="start nothing that would end after this (default 420)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--only", default=None, help=f"comma-separated subset of {','.join(MEASURES)}")
+    ap.add_argument("--measure", choices=MEASURES, default=None, help=argparse.SUPPRESS)  # the child's one measure
     args = ap.parse_args(argv)
     device = torch.device(args.device)
     shapes = QUICK if args.quick else FULL
@@ -466,33 +598,25 @@ def main(argv=None) -> dict:
         ap.error("the full shapes need a GPU; on the CPU use --quick")
     if device.type == "cpu":
         torch.set_num_threads(min(2, torch.get_num_threads()))
+    if args.measure:
+        return run_measure(args.measure, args, device, shapes)
     chosen = MEASURES if not args.only else tuple(m for m in MEASURES if m in args.only.split(","))
     clock = Clock(device, args.budget_s)
     report = Report(args.json, header(device, shapes, args))
-    # the least time each measure needs to be worth starting (the first always starts)
-    minimum = {"phase1_step": 0, "decode": 15 if args.quick else 60, "chunk_overhead": 10 if args.quick else 45,
-               "phase1_step_compiled": 20 if args.quick else 150}
+    # the least time each measure needs to be worth starting
+    minimum = {"phase1_step": 10 if args.quick else 60, "decode": 20 if args.quick else 40, "decode_graphed": 30 if args.quick else 60,
+               "chunk_overhead": 20 if args.quick else 45, "phase1_step_compiled": 30 if args.quick else 90}
+    part = (args.json or Path(os.environ.get("TMPDIR", "/tmp")) / "gpu").with_suffix(".measure.json")
     for name in chosen:
-        if clock.left() < minimum[name]:
+        # --quick (the CPU test) has no GPU minutes to save: a measure may take what is left of the budget
+        slot = clock.left() if args.quick else min(SLOTS[name], clock.left())
+        if slot < minimum[name]:
             report.put(name, status="skipped", reason=f"time budget ({clock.left():.0f} s left)")
             continue
         t0 = time.perf_counter()
         report.put(name, status="running")
-        try:
-            if name == "phase1_step":
-                phase1(report, name, shapes, device, clock, compiled=False)
-            elif name == "decode":
-                decode(report, shapes, device, clock)
-            elif name == "chunk_overhead":
-                chunk_overhead(report, shapes, device, clock)
-            else:
-                phase1(report, name, shapes, device, clock, compiled=True)
-            report.put(name, status="done")
-        except Exception as exc:  # a measure that breaks must not cost the others their slot
-            traceback.print_exc()
-            report.put(name, status="error", error=f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
+        report.doc["measures"][name] = spawn(name, args, slot, part)
         report.put(name, seconds=time.perf_counter() - t0)
-        free(device)
     report.doc.update(total_s=time.perf_counter() - clock.start, load_avg_end=os.getloadavg())
     report.doc["aims"] = aims(report.doc, args.quick)
     report.save()

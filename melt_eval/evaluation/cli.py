@@ -102,6 +102,11 @@ def register(app: typer.Typer) -> None:
             False, "--cross-loop-kv", rich_help_panel=MODEL,
             help="Ouro, training-free: keep loop 1's KV in full precision and loops 2..T as int4 deltas from it "
                  "(FlashLoop's idea; native engine; default: off)."),
+        cuda_graphs: bool = typer.Option(
+            True, "--cuda-graphs/--no-cuda-graphs", rich_help_panel=MODEL,
+            help="Native engine on CUDA: compile the decode token step and replay it as a CUDA graph (default: on; "
+                 "--no-cuda-graphs runs it eagerly, as on the CPU). Early exit and quantized caches decode eagerly. "
+                 "See docs/evaluation.md#cuda-graphs."),
         samples: Optional[int] = typer.Option(None, "--samples", rich_help_panel=GENERATION,
                                               help="Samples per problem (default: the paper's, per task)."),
         temperature: float = typer.Option(1.0, "--temperature", rich_help_panel=GENERATION,
@@ -165,7 +170,7 @@ def register(app: typer.Typer) -> None:
 
         options = InferenceOptions(
             loops=loops, kv_sharing=kv_sharing, share_prompt=share_prompt, prefill_chunk=prefill_chunk, exit=exit,
-            kv_cache_dtype=kv_cache_dtype, cross_loop_kv=cross_loop_kv,
+            kv_cache_dtype=kv_cache_dtype, cross_loop_kv=cross_loop_kv, cuda_graphs=cuda_graphs,
             sampling=Sampling(samples=samples, temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens,
                               seed=seed),
         )

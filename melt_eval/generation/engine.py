@@ -23,6 +23,7 @@ with a `GenerationRequestError` (a UserError: one line at the CLI) naming the wr
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
@@ -30,6 +31,7 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from melt_eval.errors import UserError
+from melt_eval.generation.decode_step import DecodeStep, captured_mode
 from melt_eval.generation.options import InferenceOptions, Sampling
 from melt_eval.cache_layout import CacheLayout, compressed_layout, layout_of
 from melt_eval.modeling import early_exit
@@ -229,6 +231,7 @@ def generate(
     callback: Callable[[int], None] | None = None,
     max_cache_bytes: int | None = None,
     allow_beyond_max_positions: bool = False,
+    decode_mode: str | None = None,
 ) -> GenerationResult:
     """Sample `n` continuations of every prompt (lists of token ids). See module docstring.
 
@@ -240,6 +243,8 @@ def generate(
     `callback(k)` is called after each decoding step with the number of new tokens.
     `max_cache_bytes` bounds the cache (default: `default_cache_budget`); rows that do not fit
     together run in waves, with the same results.
+    `decode_mode` ("eager" | "compiled" | "graphed"; None: graphed on CUDA unless `options.cuda_graphs` is off,
+    eager elsewhere) is how the decode token step runs (generation/decode_step.py).
     """
     if not isinstance(model, LoopLMForCausalLM):
         raise TypeError("the native engine runs LoopLM and MELT models; use transformers' generate for others")
@@ -256,7 +261,7 @@ def generate(
         return _generate(model, prompts, options, n=n, temperature=temperature, top_p=top_p,
                          max_new_tokens=max_new_tokens, seed=seed, eos_token_id=eos_token_id, stop=stop,
                          callback=callback, max_cache_bytes=max_cache_bytes,
-                         allow_beyond_max_positions=allow_beyond_max_positions)
+                         allow_beyond_max_positions=allow_beyond_max_positions, decode_mode=decode_mode)
     finally:
         model.config.total_ut_steps = loops
 
@@ -264,7 +269,7 @@ def generate(
 @torch.no_grad()
 @sdpa_kernel(_DECODE_ATTENTION)
 def _generate(model, prompts, options: InferenceOptions, *, n, temperature, top_p, max_new_tokens, seed, eos_token_id,
-              stop, callback, max_cache_bytes, allow_beyond_max_positions) -> GenerationResult:
+              stop, callback, max_cache_bytes, allow_beyond_max_positions, decode_mode) -> GenerationResult:
     kv_sharing, share_prompt = options.kv_sharing, options.share_prompt
     compression = dict(kv_cache_dtype=options.kv_cache_dtype, cross_loop_kv=options.cross_loop_kv)
 
@@ -312,7 +317,7 @@ def _generate(model, prompts, options: InferenceOptions, *, n, temperature, top_
             model, caches, [(prompts[i], k) for i, k in groups], generators, p_max=p_max,
             max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, eos=eos, stops=stops,
             prefill_chunk=options.chunk, kv_sharing=kv_sharing, callback=callback,
-            exit_rule=options.exit_rule,
+            exit_rule=options.exit_rule, decode_mode=decode_mode, cuda_graphs=options.cuda_graphs,
         )
         del caches
         sequences += seqs
@@ -335,8 +340,18 @@ def _generate(model, prompts, options: InferenceOptions, *, n, temperature, top_
     )
 
 
+_NOTED: set[str] = set()
+
+
+def _note_once(note: str) -> None:
+    """A fallback from the captured decode step, said once per process (a run calls generate many times)."""
+    if note not in _NOTED:
+        _NOTED.add(note)
+        warnings.warn(note, stacklevel=3)
+
+
 def _decode_wave(model, caches: _Caches, groups, generators, *, p_max, max_new_tokens, temperature, top_p, eos, stops,
-                 prefill_chunk, kv_sharing, callback, exit_rule=None):
+                 prefill_chunk, kv_sharing, callback, exit_rule=None, decode_mode=None, cuda_graphs=True):
     """Prefill and decode one wave: `groups` is [(prompt, rows of that prompt)], rows consecutive."""
     device = model.lm_head.weight.device
     chunk = prefill_chunk if caches.layout.prefill_chunk_matters else None  # else the prompt is one chunk
@@ -368,6 +383,10 @@ def _decode_wave(model, caches: _Caches, groups, generators, *, p_max, max_new_t
     prompt_lens = torch.tensor([len(p) for p, k in groups for _ in range(k)], device=device)
     capacity = p_max + max_new_tokens
     key_mask = torch.arange(capacity, device=device)[None, :] >= (p_max - prompt_lens)[:, None]  # [rows, S]
+    mode, note = captured_mode(device, policy, cuda_graphs=cuda_graphs, exit_rule=exit_rule, requested=decode_mode)
+    if note:
+        _note_once(note)
+    step_logits = DecodeStep(model, policy, key_mask, kv_sharing=kv_sharing, mode=mode)
 
     sequences: list[list[int]] = [[] for _ in range(rows)]
     logprobs: list[list[float]] = [[] for _ in range(rows)]
@@ -399,8 +418,7 @@ def _decode_wave(model, caches: _Caches, groups, generators, *, p_max, max_new_t
             break
         pos = (prompt_lens + step)[:, None]
         if exit_rule is None:
-            x, _ = model.model.run_chunk(tokens[:, None], pos, policy, key_mask=key_mask, kv_sharing=kv_sharing)
-            logits = model.lm_head(x[:, -1]).float()
+            logits = step_logits(tokens[:, None], pos)
             continue
         # each row stops looping by the rule; the prompt above kept full depth
         logits, used = early_exit.decode_step(model, tokens[:, None], pos, policy, exit_rule, key_mask=key_mask,

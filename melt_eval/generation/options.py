@@ -101,6 +101,9 @@ class InferenceOptions:
     # fp8 | int8 | int4; cross_loop_kv: Ouro's loops 2..T as int4 deltas from loop 1 (native engine only)
     kv_cache_dtype: str = "auto"
     cross_loop_kv: bool = False
+    # native engine on CUDA: the decode token step compiled and replayed as a CUDA graph (generation/decode_step.py);
+    # False (--no-cuda-graphs) runs it eagerly. How the step runs, not what it computes: not part of a run's identity
+    cuda_graphs: bool = True
 
     def __post_init__(self) -> None:
         if self.loops is not None and (not _whole(self.loops) or self.loops < 1):
@@ -109,6 +112,8 @@ class InferenceOptions:
         check_kv_cache_dtype(self.kv_cache_dtype)
         if not isinstance(self.cross_loop_kv, bool):
             raise UserError(f"--cross-loop-kv is a flag, got {self.cross_loop_kv!r}")
+        if not isinstance(self.cuda_graphs, bool):
+            raise UserError(f"--cuda-graphs/--no-cuda-graphs is a flag, got {self.cuda_graphs!r}")
         if self.prefill_chunk is not None and (not _whole(self.prefill_chunk) or self.prefill_chunk < 1):
             raise UserError(f"--prefill-chunk must be at least 1, got {self.prefill_chunk!r}")
         rule = parse_exit(self.exit)

@@ -106,7 +106,7 @@ def decode_step(model, tokens: Tensor, position_ids: Tensor, policy, rule: tuple
     x = inner.embed_tokens(tokens)
     cos, sin = inner.rotary_emb(position_ids, compute_dtype(x))
     past = policy.past_length
-    mask = None if key_mask is None else inner._mask(1, past, key_mask, x.device)
+    mask = None if key_mask is None else inner._mask(1, past, key_mask, x.device, compute_dtype(x))
     rows = torch.arange(B, device=x.device)  # the active rows, as indices into the batch
     states: list[Tensor | None] = [None] * N
     logits = torch.empty(B, model.config.vocab_size, dtype=torch.float32, device=x.device)

@@ -234,8 +234,13 @@ class StaticStore:
         vb[:, :, start:end] = v
         return kb, vb
 
-    def attend(self, key: Hashable, q: Tensor, k: Tensor, v: Tensor, past: int, token=None,
+    def attend(self, key: Hashable, q: Tensor, k: Tensor, v: Tensor, past: int | Tensor, token=None,
                mask: Tensor | None = None) -> Tensor:
+        if isinstance(past, Tensor):  # one token at a device-side column [1] (`DeviceAddressedKV`)
+            kb, vb = self.buffers[key]
+            kb.index_copy_(2, past, k)
+            vb.index_copy_(2, past, v)
+            return chunk_attention(q, kb, vb, mask)  # the whole capacity: `mask` hides what is not a key yet
         kb, vb = self.write(key, k, v, past)
         end = past + k.shape[2]
         return chunk_attention(q, kb[:, :, :end], vb[:, :, :end], mask)
@@ -348,6 +353,38 @@ class InterpolatedKV(PerLoopKV):
         self.finals = {("mix", i, t): self._mix(melt_final[i], base) for (i, t), base in self.base.items()}
         self.base = {}
         super().advance(c)
+
+
+class DeviceAddressedKV:
+    """A decode step's policy whose column lives on the device: one token per row, written at `column` ([1] long)
+    of a `StaticStore` and attending over its whole capacity under the key mask (`LoopLMModel._mask`).
+
+    No Python int addresses the cache, so `run_chunk` through this policy compiles once (fullgraph) and replays
+    as a CUDA graph at every position (generation/decode_step.py). Per-loop (Ouro) and shared (MELT, untrained
+    sharing) caches only; the caller moves the store's `length` and the column after each step."""
+
+    def __init__(self, policy, column: Tensor) -> None:
+        if type(policy) not in (PerLoopKV, SharedKV) or not isinstance(policy.store, StaticStore) or getattr(
+                policy, "exit_loops", None) is not None:
+            raise ValueError(f"a device-addressed decode step takes a per-loop or shared StaticStore, not {type(policy).__name__}")
+        self.policy, self.store, self.column = policy, policy.store, column
+        self.needs_base, self.needs_melt = policy.needs_base, policy.needs_melt
+
+    @property
+    def past_length(self) -> Tensor:
+        return self.column
+
+    def key_value(self, layer, loop, base, melt):
+        return self.policy.key_value(layer, loop, base, melt)
+
+    def record(self, layer, loop, base, melt) -> None:
+        pass  # a static store's slot already holds the last loop's (final) entry
+
+    def attend(self, key, q, kv, past, token, mask=None) -> Tensor:
+        return self.store.attend(key, q, *kv, past, token, mask)
+
+    def advance(self, c: int) -> None:
+        pass  # outside the captured step: `DecodeStep` moves the store's length and the column
 
 
 class PromptPerLoopThenSharedKV:

@@ -242,8 +242,8 @@ class LoopLMModel(nn.Module):
         cfg = self.config
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary_emb(position_ids, compute_dtype(x))
-        past = policy.past_length
-        mask = None if key_mask is None else self._mask(input_ids.shape[1], past, key_mask, x.device)
+        past = policy.past_length  # an int, or a device tensor [1] (a captured decode step: `DeviceAddressedKV`)
+        mask = None if key_mask is None else self._mask(input_ids.shape[1], past, key_mask, x.device, compute_dtype(x))
         T, N = cfg.total_ut_steps, len(self.layers)
         states: list[Tensor | None] = [None] * N  # per-layer latent state h (shared-KV variants)
         checkpointed = self.gradient_checkpointing and torch.is_grad_enabled()
@@ -298,8 +298,17 @@ class LoopLMModel(nn.Module):
         self.token_step = torch.compile(token_step.token_chunk, **compile_kwargs)
 
     @staticmethod
-    def _mask(c: int, past: int, key_mask: Tensor, device) -> Tensor:
-        """[B, 1, c, past + c] for padded generation rows: earlier real tokens, and the chunk causally."""
+    def _mask(c: int, past: int | Tensor, key_mask: Tensor, device, dtype: torch.dtype = torch.float32) -> Tensor:
+        """Additive mask [B, 1, c, past + c] for padded generation rows (0 where a query may attend, -inf
+        elsewhere): earlier real tokens, and the chunk causally. Additive rather than boolean, because SDPA turns a
+        boolean mask into this one at every call, three more ops at every (layer, loop).
+
+        `past` a device tensor [1] (one token, c = 1, at that column, `DeviceAddressedKV`): [B, 1, 1, S] over the
+        whole static capacity S = key_mask's columns, every real key up to the column; built from device values
+        only, so a compiled step neither recompiles nor syncs as the column moves."""
+        if isinstance(past, Tensor):
+            allowed = key_mask.bool() & (torch.arange(key_mask.shape[1], device=device) <= past)  # [B, S]
+            return torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed, float("-inf"))[:, None, None]
         s = past + c
         q_pos = torch.arange(c, device=device)[:, None] + past
         allowed = torch.arange(s, device=device)[None, :] <= q_pos  # [c, s]
@@ -307,7 +316,8 @@ class LoopLMModel(nn.Module):
         # every query may attend to itself, so a padded query row never sees an empty key set
         own = torch.zeros(c, s, dtype=torch.bool, device=device)
         own[torch.arange(c), past + torch.arange(c)] = True
-        return (allowed | own)[:, None]
+        allowed = (allowed | own)[:, None]
+        return torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed, float("-inf"))
 
 
 def _join(pieces: list[Tensor]) -> Tensor:

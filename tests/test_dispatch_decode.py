@@ -1,0 +1,40 @@
+"""benchmarks/dispatch_decode.py pins the decode token step's kernel ops (exact counts, not timings): the host issues
+each op on a GPU, so more ops is a slower step at any batch (issue 49: 147 ms a step at 32K against 12 ms of bytes)."""
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+
+@pytest.fixture(scope="module")
+def counts(tmp_path_factory):
+    import dispatch_decode
+
+    return dispatch_decode.main(["--json", str(tmp_path_factory.mktemp("dispatch") / "decode.json")])["models"]
+
+
+# Issue 49's aims: eager <= 45 ops per (layer, loop) on a GPU, compiled <= 12 launches, no graph break or recompile.
+# Eager on the CPU, RMSNorm is 8 ops however it is written (F.rms_norm decomposes here), one fused kernel on CUDA:
+# the CPU count is pinned as reached (7111383: 59 Ouro, 65.75 MELT; the additive key mask took 3 off) and the count
+# with fused norms carries the aim. The compiled count reaches 12 only with the merged q/k/v and gate/up projections
+# (branch issue49a): today 7 of Ouro's 13 launches are separate GEMMs and one writes v apart from k.
+EAGER = {"ouro": 56, "melt": 62.75}
+COMPILED = {"ouro": 13, "melt": 15.25}
+
+
+@pytest.mark.slow  # inductor compiles four tiny models (a few minutes on a loaded 2-core machine)
+@pytest.mark.parametrize("kind", ["ouro", "melt"])
+def test_the_decode_step_stays_within_its_op_budgets(counts, kind):
+    eager, captured, compiled, stable = (counts[kind][k] for k in ("eager", "captured_eager", "compiled", "stability"))
+    assert eager["per_layer_loop"]["ops"] <= EAGER[kind]
+    assert eager["per_layer_loop"]["norm_ops"] == 32  # 4 norms x 8 ops: what F.rms_norm fuses on CUDA
+    assert eager["per_layer_loop"]["fused_norms"] <= 45
+    # the captured step's device-side addressing costs nothing per (layer, loop): its ops are the eager step's
+    assert captured["per_layer_loop"] == eager["per_layer_loop"]
+    assert 0 < compiled["per_layer_loop"] <= COMPILED[kind]
+    assert compiled["extern_at_2_layers"]["extern_kernels.mm"] > 0  # the count did read inductor's code
+    assert stable["positions"] >= 64 and stable["graph_breaks"] == 0 and stable["recompiles"] == 0
+    assert stable["frames_compiled"] == 1
