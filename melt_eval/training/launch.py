@@ -127,3 +127,16 @@ def announce_layout(accelerator, recipe) -> dict:
         for line in warnings:
             print(f"warning: {line}", file=sys.stderr, flush=True)
     return {**lay, "warnings": warnings}
+
+
+def check_resume_world(ckpt, saved: int, world: int, recipe) -> None:
+    """A checkpoint from `saved` processes resumes on `world` when a step still sees the same global batch: the
+    data position is the global stream's, the model and optimiser states are whole (Accelerate saves them from rank
+    0), and a step draws no random numbers of its own. Otherwise one line naming both."""
+    def sequences(n: int) -> int:
+        return n * recipe.micro_batch_size * recipe.grad_accum_steps(n)
+
+    if saved != world and sequences(saved) != sequences(world):
+        raise UserError(f"--resume: {ckpt.name} was written by {saved} process{'es' if saved > 1 else ''} "
+                        f"({sequences(saved)} sequences per step) and this run has {world} ({sequences(world)} per step); "
+                        f"resume it with {saved} processes (torchrun --nproc_per_node {saved} ...)")

@@ -94,7 +94,7 @@ def _train(recipe: Recipe, output: Path, *, resume: bool, progress: bool, stop_a
     trainee, tokenizer, info = prepare_training(accelerator, recipe, mp)
     start_step, tokens_seen, last_good = 0, 0, None
     if resume:
-        start_step, tokens_seen, last_good = load_checkpoint(accelerator, trainee.stream, output, candidates)
+        start_step, tokens_seen, last_good = load_checkpoint(accelerator, trainee.stream, output, candidates, recipe)
     meta = {**run_meta(recipe, info, trainee.world, mp, trainee.accum), "layout": lay}
     if accelerator.is_main_process:
         write_run_start(output, recipe, meta)
