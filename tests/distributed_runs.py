@@ -11,6 +11,7 @@ import json
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 
 
@@ -43,13 +44,13 @@ def main(plan_path: str) -> None:
             return done
 
         runner.write_checkpoint = write_checkpoint
-        record = {"error": None}
+        record, start = {"error": None}, time.perf_counter()
         try:
             runner.run_recipe(run["recipe"], run["from"], run["output"], overrides=run["overrides"],
                               resume=run.get("resume", False), progress=False)
         except UserError as exc:
             record["error"] = str(exc)
-        record["drawn"] = list(drawn)
+        record["drawn"], record["seconds"] = list(drawn), time.perf_counter() - start
         Path(run["output"]).mkdir(parents=True, exist_ok=True)
         Path(run["output"], f"rank-{rank}.json").write_text(json.dumps(record))
 

@@ -220,3 +220,15 @@ def test_a_launch_that_started_fewer_processes_says_so(tmp_path, capsys, monkeyp
     lay = json.loads((tmp_path / "one" / "melt_eval_training.json").read_text())["layout"]
     assert lay["world_size"] == 1 and lay["warnings"] == [warnings[0][len("warning: "):]]
     assert not math.isnan(metrics(tmp_path / "one")[0]["loss"])
+
+
+def test_a_launch_asking_for_fsdp_never_falls_back_silently(tmp_path, monkeypatch):
+    """`accelerate launch --config_file .../fsdp.yaml` on a machine where Accelerate sets up no FSDP (CPUs):
+    one line saying what ran and which launcher to use instead, nothing written."""
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")  # what that launcher exports to every rank
+    recipe, start, overrides = RUNS["phase1"]
+    args = ["train", "--recipe", recipe, "--from", start, "--output", str(tmp_path / "fsdp"), "--no-progress"]
+    result = CliRunner().invoke(app, args)
+    message = str(result.exception)
+    assert "asks for FSDP but Accelerate set up NO here" in message and "torchrun --nproc_per_node N" in message
+    assert "\n" not in message and not (tmp_path / "fsdp").exists()

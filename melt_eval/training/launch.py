@@ -62,6 +62,18 @@ def on_main(state, fn, *args):
     return value
 
 
+def check_fsdp(state) -> None:
+    """A launch that asks for FSDP (`accelerate launch` with melt_eval/recipes/accelerate/fsdp.yaml exports
+    ACCELERATE_USE_FSDP) runs FSDP or stops: Accelerate selects FSDP only on accelerators, and on CPUs it would
+    silently train plain data parallel (MULTI_CPU) with every rank holding the whole optimiser state."""
+    asked = os.environ.get("ACCELERATE_USE_FSDP", "").lower() in ("1", "true", "yes")
+    ran = str(state.distributed_type).split(".")[-1]
+    if asked and ran != "FSDP":
+        raise UserError(f"the launch asks for FSDP but Accelerate set up {ran} here (it runs FSDP on GPUs only); "
+                        "on CPUs drop the FSDP config and launch with `torchrun --nproc_per_node N -m melt_eval.cli train ...` "
+                        "(docs/training.md#several-processes)")
+
+
 def launch_problem(state) -> str | None:
     """One line when the launcher was asked for more ranks than joined this run, else None."""
     asked = launched_world()
@@ -120,6 +132,7 @@ def announce_layout(accelerator, recipe) -> dict:
     asked; returns the layout with those lines (`warnings`), for the run's record."""
     import sys
 
+    check_fsdp(accelerator.state)
     lay = layout(accelerator.state, recipe, recipe.grad_accum_steps(accelerator.num_processes))
     warnings = [w for w in (launch_problem(accelerator.state), batch_note(lay, recipe.seq_len)) if w]
     accelerator.print(describe(lay))
