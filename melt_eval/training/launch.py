@@ -65,10 +65,13 @@ def on_main(state, fn, *args):
 def check_fsdp(state) -> None:
     """A launch that asks for FSDP (`accelerate launch` with melt_eval/recipes/accelerate/fsdp.yaml exports
     ACCELERATE_USE_FSDP) runs FSDP or stops: Accelerate selects FSDP only on accelerators, and on CPUs it would
-    silently train plain data parallel (MULTI_CPU) with every rank holding the whole optimiser state."""
+    silently train plain data parallel (MULTI_CPU) with every rank holding the whole optimiser state.
+    `state`: the PartialState (its MULTI_GPU-like types become FSDP once the Accelerator is made; NO and
+    MULTI_CPU never do) or the Accelerator's state (FSDP, or refused)."""
     asked = os.environ.get("ACCELERATE_USE_FSDP", "").lower() in ("1", "true", "yes")
     ran = str(state.distributed_type).split(".")[-1]
-    if asked and ran != "FSDP":
+    final = type(state).__name__ == "AcceleratorState"
+    if asked and (ran != "FSDP" if final else ran in ("NO", "MULTI_CPU")):
         raise UserError(f"the launch asks for FSDP but Accelerate set up {ran} here (it runs FSDP on GPUs only); "
                         "on CPUs drop the FSDP config and launch with `torchrun --nproc_per_node N -m melt_eval.cli train ...` "
                         "(docs/training.md#several-processes)")

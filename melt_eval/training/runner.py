@@ -37,7 +37,7 @@ from melt_eval.files import DirLock
 from melt_eval.training.build import param_groups, prepare_training
 from melt_eval.training.checkpoints import load_checkpoint, write_checkpoint
 from melt_eval.training.config import Recipe
-from melt_eval.training.launch import accelerator_kwargs, announce_layout, on_main
+from melt_eval.training.launch import accelerator_kwargs, announce_layout, check_fsdp, on_main
 from melt_eval.training.metrics import Logger, progress_bar, read_metrics, status, trackers
 from melt_eval.training.runs import FINISHED, run_state
 from melt_eval.training.run_files import META_FILE, export, prepare_output, run_meta, write_run_start
@@ -60,6 +60,7 @@ def train(recipe: Recipe, output: str | Path, *, resume: bool = False, progress:
 
     output = Path(output).expanduser().resolve()
     state = PartialState(**accelerator_kwargs())  # joins the launcher's ranks (gloo on CPUs)
+    check_fsdp(state)  # before Accelerator(), which fails with a traceback when asked for FSDP without a GPU
     # the lock belongs to the run: rank 0 takes it for all ranks, which wait for the outcome (a refusal stops them all)
     lock = DirLock(output, "training run")
     on_main(state, lock.acquire)
