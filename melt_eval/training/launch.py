@@ -131,18 +131,20 @@ def batch_note(lay: dict, seq_len: int) -> str | None:
 
 
 def announce_layout(accelerator, recipe) -> dict:
-    """The run's first log line (its layout), then one warning line on stderr for each way it is not what was
-    asked; returns the layout with those lines (`warnings`), for the run's record."""
+    """The run's first log line (its layout); a warning on stderr when fewer ranks joined than were launched, a
+    note after the layout when it misses batch_tokens (tiny test layouts do, on purpose: stdout keeps stderr for
+    errors). Returns the layout with those lines (`warnings`), for the run's record."""
     import sys
 
     check_fsdp(accelerator.state)
     lay = layout(accelerator.state, recipe, recipe.grad_accum_steps(accelerator.num_processes))
-    warnings = [w for w in (launch_problem(accelerator.state), batch_note(lay, recipe.seq_len)) if w]
+    problem, note = launch_problem(accelerator.state), batch_note(lay, recipe.seq_len)
     accelerator.print(describe(lay))
-    if accelerator.is_main_process:
-        for line in warnings:
-            print(f"warning: {line}", file=sys.stderr, flush=True)
-    return {**lay, "warnings": warnings}
+    if note:
+        accelerator.print(f"note: {note}")
+    if problem and accelerator.is_main_process:
+        print(f"warning: {problem}", file=sys.stderr, flush=True)
+    return {**lay, "warnings": [line for line in (problem, note) if line]}
 
 
 def check_resume_world(ckpt, saved: int, world: int, recipe) -> None:
