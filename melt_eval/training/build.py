@@ -185,7 +185,8 @@ def prepare_student(student, recipe: Recipe) -> int:
 
 def prepare_training(accelerator, recipe: Recipe, mixed_precision: str) -> tuple[Trainee, object, dict]:
     """(what each step works on, the tokenizer, build_models' provenance) on this process."""
-    student, teacher, tokenizer, info = build_models(recipe)
+    with accelerator.main_process_first():  # rank 0 builds a registry model the first time; the others then read it
+        student, teacher, tokenizer, info = build_models(recipe)
     loops = student.config.total_ut_steps
     if recipe.loop_ce_weights and len(recipe.loop_ce_weights) != loops:
         raise UserError(f"loop_ce_weights has {len(recipe.loop_ce_weights)} weights; {recipe.from_model} runs "

@@ -77,7 +77,8 @@ def write_checkpoint(accelerator, output: Path, trainer_state: dict, keep: int, 
             paths = [p for p in sorted((tmp / "state").rglob("*")) if p.is_file()]
             files = {p.relative_to(tmp).as_posix(): p.stat().st_size for p in paths}
             sha256 = {p.relative_to(tmp).as_posix(): sha256_file(p) for p in paths}
-            write_json_atomic(tmp / "trainer_state.json", {**trainer_state, "files": files, "sha256": sha256})
+            write_json_atomic(tmp / "trainer_state.json", {**trainer_state, "world_size": accelerator.num_processes,
+                                                           "files": files, "sha256": sha256})
             fsync_tree(tmp)
             if final.exists():  # an incomplete one skipped by --resume, now redone
                 remove_tree(final)
@@ -146,14 +147,20 @@ def resume_candidates(output: Path) -> tuple[list[Path], list[str]]:
     return complete, notes
 
 
-def load_checkpoint(accelerator, stream, output: Path, candidates: list[Path],
+def load_checkpoint(accelerator, stream, output: Path, candidates: list[Path], recipe=None,
                     verify: bool = True) -> tuple[int, int, Path | None]:
-    """Load the newest checkpoint that loads; returns (step, tokens seen, checkpoint). `verify`: a checkpoint
-    whose trainer_state.json has no SHA-256 map (this harness writes one with every checkpoint) is refused in
-    one line, never loaded unchecked; False (`train --resume --no-verify`) loads it, loading as the test."""
+    """Load the newest checkpoint that loads; returns (step, tokens seen, checkpoint). With `recipe`, one written
+    by another number of processes is refused unless the step's global batch is the same (launch.check_resume_world).
+    `verify`: a checkpoint whose trainer_state.json has no SHA-256 map (this harness writes one with every
+    checkpoint) is refused in one line, never loaded unchecked; False (`train --resume --no-verify`) loads it,
+    loading as the test."""
     failed = []
     for ckpt in candidates:
         state = read_trainer_state(ckpt)
+        if recipe is not None:
+            from melt_eval.training.launch import check_resume_world
+
+            check_resume_world(ckpt, state.get("world_size", 1), accelerator.num_processes, recipe)
         hashes = state.get("sha256")
         if not isinstance(hashes, dict) and verify:
             raise UserError(f"--resume: {ckpt} has no SHA-256 sums in its trainer_state.json, so its files cannot be "

@@ -59,7 +59,10 @@ def register(app: typer.Typer) -> None:
             resolved = load_recipe(recipe, config_file=config, overrides=overrides)
             out = run_recipe(resolved, output=output, resume=resume, progress=progress, push_to_hub=push_to_hub,
                              hub_model_id=hub_model_id, verify=verify)
-            typer.echo(f"trained model written to {out}")
+            from accelerate import PartialState
+
+            if PartialState().is_main_process:  # once per run, not once per rank
+                typer.echo(f"trained model written to {out}")
 
 
 @contextlib.contextmanager

@@ -116,8 +116,9 @@ class Logger:
             self.accelerator.log(scalars(record), step=record["step"])
 
     def close(self) -> None:
-        if self.accelerator is not None:
-            self.accelerator.end_training()
+        if self.accelerator is not None:  # not end_training(): it also ends the process group the export still needs
+            for tracker in self.accelerator.trackers:
+                tracker.finish()
 
 
 def _flat(config: dict) -> dict:

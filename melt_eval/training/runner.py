@@ -29,7 +29,6 @@ Names other code imports from here stay importable from here: `forward_objective
 
 from __future__ import annotations
 
-import contextlib
 from pathlib import Path
 
 import torch
@@ -38,6 +37,7 @@ from melt_eval.files import DirLock
 from melt_eval.training.build import param_groups, prepare_training
 from melt_eval.training.checkpoints import load_checkpoint, write_checkpoint
 from melt_eval.training.config import Recipe
+from melt_eval.training.launch import accelerator_kwargs, announce_layout, check_fsdp, on_main
 from melt_eval.training.metrics import Logger, progress_bar, read_metrics, status, trackers
 from melt_eval.training.runs import FINISHED, run_state
 from melt_eval.training.run_files import META_FILE, export, prepare_output, run_meta, write_run_start
@@ -61,11 +61,16 @@ def train(recipe: Recipe, output: str | Path, *, resume: bool = False, progress:
     from accelerate import PartialState
 
     output = Path(output).expanduser().resolve()
-    # the main process holds the lock for all of them (other ranks write only checkpoint shards)
-    lock = DirLock(output, "training run") if PartialState().is_main_process else contextlib.nullcontext()
-    with lock:
+    state = PartialState(**accelerator_kwargs())  # joins the launcher's ranks (gloo on CPUs)
+    check_fsdp(state)  # before Accelerator(), which fails with a traceback when asked for FSDP without a GPU
+    # the lock belongs to the run: rank 0 takes it for all ranks, which wait for the outcome (a refusal stops them all)
+    lock = DirLock(output, "training run")
+    on_main(state, lock.acquire)
+    try:
         _train(recipe, output, resume=resume, progress=progress, stop_after=stop_after, label=label, verify=verify)
-    if PartialState().is_main_process and push_to_hub and run_state(output) == FINISHED:
+    finally:
+        lock.release()  # held by rank 0 only (a no-op elsewhere)
+    if state.is_main_process and push_to_hub and run_state(output) == FINISHED:
         from melt_eval.training.publish import push_to_hub as push
 
         print(f"pushed {output} to {push(output, hub_model_id)}")
@@ -75,24 +80,26 @@ def train(recipe: Recipe, output: str | Path, *, resume: bool = False, progress:
 @torch.enable_grad()  # whatever the caller's mode (an evaluation earlier in the process may have turned it off)
 def _train(recipe: Recipe, output: Path, *, resume: bool, progress: bool, stop_after: int | None,
            label: str | None = None, verify: bool = True) -> Path:
-    from accelerate import Accelerator
+    from accelerate import Accelerator, PartialState
     from accelerate.utils import set_seed
 
-    recipe, candidates, notes = prepare_output(output, recipe, resume)
+    recipe, candidates, notes = on_main(PartialState(), prepare_output, output, recipe, resume)  # rank 0 checks, once
     mp = recipe.mixed_precision
     if mp == "auto":
         mp = "bf16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "no"
-    accelerator = Accelerator(mixed_precision=mp, project_dir=str(output / "logs"),
+    accelerator = Accelerator(mixed_precision=mp, project_dir=str(output / "logs"), **accelerator_kwargs(),
                               log_with=trackers(recipe.log_with, recipe.tensorboard, output) or None)
     set_seed(recipe.seed)
+    lay = announce_layout(accelerator, recipe)
     for note in notes:
         accelerator.print(f"note: {note}")
 
     trainee, tokenizer, info = prepare_training(accelerator, recipe, mp)
     start_step, tokens_seen, last_good = 0, 0, None
     if resume:
-        start_step, tokens_seen, last_good = load_checkpoint(accelerator, trainee.stream, output, candidates, verify)
-    meta = run_meta(recipe, info, trainee.world, mp, trainee.accum)
+        start_step, tokens_seen, last_good = load_checkpoint(accelerator, trainee.stream, output, candidates, recipe,
+                                                             verify=verify)
+    meta = {**run_meta(recipe, info, trainee.world, mp, trainee.accum), "layout": lay}
     if accelerator.is_main_process:
         write_run_start(output, recipe, meta)
     logger = Logger(output, accelerator.is_main_process, start_step, accelerator, recipe.to_dict())
