@@ -161,6 +161,13 @@ def param_groups(model, recipe: Recipe) -> list[dict]:
     return groups
 
 
+def make_optimizer(model, recipe: Recipe) -> torch.optim.Optimizer:
+    """AdamW over `param_groups` with the recipe's betas, eps and weight decay."""
+    return torch.optim.AdamW(
+        param_groups(model, recipe), betas=tuple(recipe.adam_betas), eps=recipe.adam_eps, weight_decay=recipe.weight_decay
+    )
+
+
 def prepare_student(student, recipe: Recipe) -> int:
     """Put the student in training mode as the recipe asks; returns the row padding multiple."""
     # Ouro's early-exit gate is trained only by target exit_gate (the objective of the others never reads it):
@@ -195,9 +202,7 @@ def prepare_training(accelerator, recipe: Recipe, mixed_precision: str) -> tuple
     if accelerator.is_main_process and info.get("gate_note"):
         accelerator.print(f"note: {info['gate_note']}")
     pad_multiple = prepare_student(student, recipe)
-    optimizer = torch.optim.AdamW(
-        param_groups(student, recipe), betas=tuple(recipe.adam_betas), eps=recipe.adam_eps, weight_decay=recipe.weight_decay
-    )
+    optimizer = make_optimizer(student, recipe)
     model, optimizer = accelerator.prepare(student, optimizer)
     if teacher is not None:
         teacher.to(accelerator.device, dtype=torch.bfloat16 if mixed_precision == "bf16" else torch.float32)
