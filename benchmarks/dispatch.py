@@ -7,7 +7,7 @@ microseconds of Python and dispatcher time, whatever the chunk's length. The num
 depend on the widths, so it is counted on the CPU at tiny widths with the paper's depth (24 layers,
 T = 4 loops) and the paper's phase-1 set-up: MELT with elementwise gates at alpha 0.5 (both KV sets), all-loop
 KD against the frozen bf16 teacher, activation checkpointing, fp32 weights under bf16 autocast, gradient
-clipping, AdamW built as `melt-eval train` builds it (`training.build.make_optimizer`).
+clipping, AdamW built as `melt-eval train` builds it (`training.build.make_optimizer`, foreach on the CPU).
 
 How ops are counted (`OpCounter`, a TorchDispatchMode): every aten op that reaches the dispatcher below
 autograd, except those that only make a view or read metadata (`NO_KERNEL`: they launch nothing).
@@ -56,7 +56,7 @@ sys.path.insert(0, str(REPO))
 
 from melt_eval.modeling import LoopLMConfig, LoopLMForCausalLM, MeltForCausalLM  # noqa: E402
 from melt_eval.training import load_recipe  # noqa: E402
-from melt_eval.training.build import make_optimizer  # noqa: E402
+from melt_eval.training.build import allocate_optimizer_state, make_optimizer  # noqa: E402
 from melt_eval.training.config import Recipe  # noqa: E402
 from melt_eval.training.runner import forward_objective  # noqa: E402
 
@@ -265,6 +265,7 @@ def count_steps(layers: int, compiled: bool) -> dict:
     if compiled:
         student.model.compile_layer_step()
     optimizer = make_optimizer(student, recipe)
+    allocate_optimizer_state(optimizer)
     if compiled:
         FusedKernelCounter.install()
     rows = {}

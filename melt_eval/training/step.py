@@ -171,10 +171,23 @@ def train_step(t: Trainee, step: int, tokens_seen: int, last_good: Path | None) 
     for group in t.optimizer.param_groups:
         record[f"lr.{group['name']}"] = group["lr"]
     if gate_means is not None:
-        record["gate_mean"] = {f"layer{i}": [None if math.isnan(v) else round(v, 5) for v in row]
-                               for i, row in enumerate(gate_means.tolist())}
-        valid = gate_means[~torch.isnan(gate_means)]
-        record["gate_mean_all"] = float(valid.mean()) if valid.numel() else float("nan")
+        record[GATE_MEANS] = gate_means  # on the device; `read_gate_means` reads it when the step is logged
+    return record
+
+
+GATE_MEANS = "gate_means_on_device"
+
+
+def read_gate_means(record: dict) -> dict:
+    """The record with its device-side gate means [N, T] turned into the logged `gate_mean` (per layer, loop 1
+    None) and `gate_mean_all`: one host sync, on logging steps only (reading them every step stalled the GPU)."""
+    gate_means = record.pop(GATE_MEANS, None)
+    if gate_means is None:
+        return record
+    rows = gate_means.tolist()
+    record["gate_mean"] = {f"layer{i}": [None if math.isnan(v) else round(v, 5) for v in row] for i, row in enumerate(rows)}
+    valid = [v for row in rows for v in row if not math.isnan(v)]
+    record["gate_mean_all"] = sum(valid) / len(valid) if valid else float("nan")
     return record
 
 
