@@ -59,6 +59,7 @@ from melt_eval.training import load_recipe  # noqa: E402
 from melt_eval.training.build import allocate_optimizer_state, make_optimizer  # noqa: E402
 from melt_eval.training.config import Recipe  # noqa: E402
 from melt_eval.training.runner import forward_objective  # noqa: E402
+from melt_eval.training.step import weight_casts_kept  # noqa: E402
 
 aten = torch.ops.aten
 # Ops that make a view or read metadata: no kernel runs on the device.
@@ -241,12 +242,13 @@ def one_step(student, teacher, optimizer, recipe: Recipe, seq_len: int, counter:
     teacher.forward = marked_teacher
     try:
         phase("student")
-        with amp():
-            terms, out = forward_objective(student, teacher, batch, recipe, PHASE1_STEP, n_loss_tokens=seq_len,
-                                           n_tokens=seq_len, teacher_autocast=amp)
-        phase("backward")
-        terms.total.backward()
-        del out
+        with weight_casts_kept():  # as the runner's micro-batch
+            with amp():
+                terms, out = forward_objective(student, teacher, batch, recipe, PHASE1_STEP, n_loss_tokens=seq_len,
+                                               n_tokens=seq_len, teacher_autocast=amp)
+            phase("backward")
+            terms.total.backward()
+            del out
         phase("loss_read")
         float(terms.total.detach())  # the runner reads the loss once per micro-batch
         phase("clip")
