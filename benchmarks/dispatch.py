@@ -25,10 +25,11 @@ forward, reading the loss, clipping and the optimizer (the student's own interce
 prefix and its last without a commit, is reported apart, `student_intercept`).
 
 The compiled path is `compile_layer_step()` (recipe `compile: true`, inductor). Ops that run eagerly are
-counted as above; inside a compiled graph the dispatcher sees only its extern calls (matrix products,
-SDPA), and the fused C++ kernels inductor generates are counted from the generated code: each
-`cpp_fused_*` call in the graph's wrapper is one launch (`_count_fused_launches` wraps every compiled
-graph's `call` and adds its kernel calls each time it runs). Graph breaks, unique graphs and recompiles
+counted as above; inside a compiled graph the counter (`CompiledOpCounter`, which lets dynamo run its
+graphs under the mode) sees only the graph's extern calls (matrix products, SDPA), and the fused C++
+kernels inductor generates are counted from the generated code: each `cpp_fused_*` call in the graph's
+wrapper is one launch (`FusedKernelCounter` wraps every compiled graph's `call` and adds its kernel calls
+each time it runs). Graph breaks, unique graphs and recompiles
 come from torch._dynamo's counters over the same steps (chunk indices 0..3 at one chunk length).
 
 Sections are a dict in the JSON so that the decode counts (benchmarks/dispatch_decode.py) can be added
