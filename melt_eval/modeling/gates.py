@@ -38,7 +38,16 @@ def gate_update(gate, h_prev: Tensor, a: Tensor, loop: int) -> tuple[Tensor, Ten
         z = torch.sigmoid(gate.logits(h_prev, a))
     else:
         z = {"ema": gate.ema_decay, "mean": (loop - 1) / loop, "last": 0.0, "first": 1.0}[gate.kind]
-    return z * h_prev + (1 - z) * a, z
+    return mix(a, h_prev, z), z
+
+
+def mix(start: Tensor, end: Tensor, weight: Tensor | float) -> Tensor:
+    """weight * end + (1 - weight) * start in one kernel (`torch.lerp`; the chunked training step is bound by
+    the number of kernels it launches). Exact at the fixed gates' 0 and 1 (lerp returns start at 0, end at 1).
+    lerp takes one dtype; operands of several (none in the model's own code paths) promote as the sum would."""
+    if start.dtype == end.dtype and (not isinstance(weight, Tensor) or weight.dtype == start.dtype):
+        return torch.lerp(start, end, weight)
+    return weight * end + (1 - weight) * start
 
 
 class FixedGate:

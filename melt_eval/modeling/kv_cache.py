@@ -36,6 +36,8 @@ import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 from torch.nn.attention.bias import causal_lower_right
 
+from melt_eval.modeling.gates import mix
+
 Tensor = torch.Tensor
 
 
@@ -80,10 +82,12 @@ def _once(ctx, what: str) -> None:
 class _PrefixAttention(torch.autograd.Function):
     """A chunk's attention over the stored prefix (read in place) and its own k, v.
 
-    Saves only the chunk's q, k, v; the backward rebuilds [prefix, k] transiently,
-    recomputes the attention under the forward's autocast state (as `torch.amp.custom_fwd`/
-    `custom_bwd` do, for whichever device the chunk runs on), and adds the prefix's gradient
-    into the store's fp32 gradient buffer (the earlier chunks' `_Commit` backward collects it).
+    Saves only the chunk's q, k, v. The backward writes k, v back into the chunk's own slots (later loops
+    and the commit overwrote them; every later chunk, the only readers of these slots, has finished its
+    backward by now), so the attention's keys are again the buffer's first past + c slots, read in place
+    without concatenating the prefix; it recomputes the attention under the forward's autocast state (as
+    `torch.amp.custom_fwd`/`custom_bwd` do, for whichever device the chunk runs on), and adds the prefix's
+    gradient into the store's fp32 gradient buffer (the earlier chunks' `_Commit` backward collects it).
     """
 
     @staticmethod
@@ -101,13 +105,14 @@ class _PrefixAttention(torch.autograd.Function):
         _once(ctx, "attention over the prefix")
         q, k, v = ctx.saved_tensors
         store, key, past = ctx.store, ctx.key, ctx.past
-        kb, vb = store.buffers[key]
+        kb, vb = store.write(key, k.detach(), v.detach(), past)
+        end = past + k.shape[2]
         device_type, enabled, dtype = ctx.autocast
         amp = torch.autocast(device_type, enabled=enabled, dtype=dtype) if dtype is not None else contextlib.nullcontext()
         with torch.enable_grad(), amp:
             q_ = q.detach().requires_grad_()
-            k_all = torch.cat([kb[:, :, :past], k.detach()], dim=2).requires_grad_()
-            v_all = torch.cat([vb[:, :, :past], v.detach()], dim=2).requires_grad_()
+            k_all = kb[:, :, :end].detach().requires_grad_()  # views of the buffer, no copy
+            v_all = vb[:, :, :end].detach().requires_grad_()
             out = chunk_attention(q_, k_all, v_all)
             dq, dk, dv = torch.autograd.grad(out, (q_, k_all, v_all), grad_out)
         gk, gv = store.grad_buffers(key)
@@ -338,8 +343,8 @@ class InterpolatedKV(PerLoopKV):
         self.base: dict = {}
 
     def _mix(self, melt, base):
-        a = self.alpha
-        return a * melt[0] + (1 - a) * base[0], a * melt[1] + (1 - a) * base[1]
+        a = self.alpha  # alpha * melt + (1 - alpha) * base, one kernel each
+        return mix(base[0], melt[0], a), mix(base[1], melt[1], a)
 
     def key_value(self, layer, loop, base, melt):
         return ("mix", layer, loop), self._mix(melt, base)
@@ -350,7 +355,10 @@ class InterpolatedKV(PerLoopKV):
 
     def advance(self, c: int) -> None:
         melt_final = self.finals
-        self.finals = {("mix", i, t): self._mix(melt_final[i], base) for (i, t), base in self.base.items()}
+        last = self.store.length + c >= getattr(self.store, "capacity", float("inf"))
+        # the last chunk's entries are read by no later token (the store's commit drops them): its 2 N T mixes
+        # would be built and thrown away
+        self.finals = {} if last else {("mix", i, t): self._mix(melt_final[i], base) for (i, t), base in self.base.items()}
         self.base = {}
         super().advance(c)
 

@@ -92,10 +92,12 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: Tensor) -> Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        """weight * (x / sqrt(mean(x^2) + eps)): normalised in fp32 for bf16/fp32 inputs, cast back to x's dtype,
+        then scaled, as Ouro does (F.rms_norm's composite computes exactly this; on CUDA, where input and weight
+        share a dtype, it is one fused kernel each way)."""
+        if x.dtype == self.weight.dtype:
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        return self.weight * F.rms_norm(x, self.weight.shape, eps=self.eps)  # e.g. a bf16 input under autocast
 
 
 def rope_inv_freq(config: LoopLMConfig) -> Tensor:
@@ -132,19 +134,25 @@ class RotaryEmbedding(nn.Module):
         return inv_freq
 
     def forward(self, position_ids: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """The tables (cos, sin) [B, 1, c, dim] of `apply_rope`, once per chunk: cos = [cos f, cos f] and
+        sin = [-sin f, sin f], rotate-half's sign folded into the sin table so that applying it takes 3 kernels."""
         # elementwise fp32 ops: autocast leaves them in fp32
         freqs = position_ids[..., None].float() * self.fp32_inv_freq()  # [B, c, dim/2]
-        emb = torch.cat([freqs, freqs], dim=-1)
-        return emb.cos().to(dtype)[:, None], emb.sin().to(dtype)[:, None]  # [B, 1, c, dim]
+        cos, sin = freqs.cos(), freqs.sin()
+        return torch.cat([cos, cos], dim=-1).to(dtype)[:, None], torch.cat([-sin, sin], dim=-1).to(dtype)[:, None]
 
 
 def rotate_half(x: Tensor) -> Tensor:
+    """[x1, x2] -> [-x2, x1] (HF Llama's convention), for reference: `apply_rope` takes the sign from its table."""
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat([-x2, x1], dim=-1)
 
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    return x * cos + rotate_half(x) * sin
+    """RoPE(x) = x * cos + rotate_half(x) * sin with the sign in the table: x * cos + [x2, x1] * [-sin, sin]
+    (x [B, H, c, dim]; cos, sin from `RotaryEmbedding`): a swap of halves and two multiplies-adds."""
+    swapped = x.unflatten(-1, (2, -1)).flip(-2).flatten(-2)  # [x2, x1]
+    return torch.addcmul(x * cos, swapped, sin)
 
 
 class LoopLMAttention(nn.Module):
@@ -489,16 +497,17 @@ class LoopLMForCausalLM(LoopLMPreTrainedModel):
 
     @staticmethod
     def _gate_means(gates) -> Tensor | None:
+        """[N, T] mean z per layer and loop (the mean of each chunk's mean), NaN where none was recorded. Stays
+        on the gates' device: reading it (`.tolist()`) is the caller's one host sync, once per logging step."""
         if not any(z for per_layer in gates for z in per_layer):
             return None
         if any(isinstance(z, Tensor) and z.is_meta for per_layer in gates for zs in per_layer for z in zs):
             return None  # shapes only (a memory projection on the meta device)
-        means = torch.full((len(gates), len(gates[0])), float("nan"))
-        for i, per_layer in enumerate(gates):
-            for t, zs in enumerate(per_layer):
-                if zs:
-                    means[i, t] = torch.stack([torch.as_tensor(z).detach().float().mean() for z in zs]).mean()
-        return means
+        device = next((z.device for per_layer in gates for zs in per_layer for z in zs if isinstance(z, Tensor)), "cpu")
+        nan = torch.full((), float("nan"), device=device)
+        means = [torch.stack([torch.as_tensor(z, device=device).detach().float().mean() for z in zs]).mean() if zs
+                 else nan for per_layer in gates for zs in per_layer]
+        return torch.stack(means).view(len(gates), len(gates[0]))
 
     @torch.no_grad()
     def early_exit_probabilities(self, input_ids: Tensor) -> Tensor:

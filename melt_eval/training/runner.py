@@ -41,7 +41,8 @@ from melt_eval.training.launch import accelerator_kwargs, announce_layout, check
 from melt_eval.training.metrics import Logger, progress_bar, read_metrics, status, trackers
 from melt_eval.training.runs import FINISHED, run_state
 from melt_eval.training.run_files import META_FILE, export, prepare_output, run_meta, write_run_start
-from melt_eval.training.step import NonFiniteLoss, Trainee, forward_objective, lr_factor, train_step
+from melt_eval.training.step import (GATE_MEANS, NonFiniteLoss, Trainee, forward_objective, lr_factor, read_gate_means,
+                                     train_step)
 
 __all__ = ["META_FILE", "NonFiniteLoss", "forward_objective", "lr_factor", "param_groups", "read_metrics",
            "run_recipe", "train"]
@@ -137,7 +138,9 @@ def _loop(t: Trainee, output: Path, logger: Logger, step: int, tokens_seen: int,
             record = train_step(t, step, tokens_seen, last_good)
             step, tokens_seen = record["step"], record["tokens_seen"]
             if (step - 1) % recipe.log_every == 0 or step == end_step:
-                logger.log(record)
+                logger.log(read_gate_means(record))
+            else:
+                record.pop(GATE_MEANS, None)
             bar.update(task, completed=step, status=status(record))
             if (recipe.save_every and step % recipe.save_every == 0) or (step == end_step and step < recipe.max_steps):
                 # this module's name, looked up at each save: tests wrap runner.write_checkpoint

@@ -43,6 +43,23 @@ class Trainee:
     learned_gate: bool
 
 
+@contextlib.contextmanager
+def weight_casts_kept():
+    """One micro-batch's forward and backward share autocast's casts of the weights.
+
+    Autocast caches each weight's bf16 copy only until its outermost region exits: the student's forward
+    exits its region, and activation checkpointing re-enters one per recomputed (layer, loop) step, so every
+    recompute cast every weight again (a kernel per weight per step on the GPU). Holding the nesting count up
+    over forward and backward keeps the forward's copies (the same values) until the backward ends, without
+    turning autocast on for the backward itself; the gradients are unchanged."""
+    torch.autocast_increment_nesting()
+    try:
+        yield
+    finally:
+        if torch.autocast_decrement_nesting() == 0:
+            torch.clear_autocast_cache()
+
+
 def lr_factor(step: int, recipe: Recipe) -> float:
     """Linear warmup over `warmup_steps`, then cosine decay to `min_lr_ratio` at `lr_schedule_steps`
     (default `max_steps`; it stays there after)."""
@@ -171,10 +188,23 @@ def train_step(t: Trainee, step: int, tokens_seen: int, last_good: Path | None) 
     for group in t.optimizer.param_groups:
         record[f"lr.{group['name']}"] = group["lr"]
     if gate_means is not None:
-        record["gate_mean"] = {f"layer{i}": [None if math.isnan(v) else round(v, 5) for v in row]
-                               for i, row in enumerate(gate_means.tolist())}
-        valid = gate_means[~torch.isnan(gate_means)]
-        record["gate_mean_all"] = float(valid.mean()) if valid.numel() else float("nan")
+        record[GATE_MEANS] = gate_means  # on the device; `read_gate_means` reads it when the step is logged
+    return record
+
+
+GATE_MEANS = "gate_means_on_device"
+
+
+def read_gate_means(record: dict) -> dict:
+    """The record with its device-side gate means [N, T] turned into the logged `gate_mean` (per layer, loop 1
+    None) and `gate_mean_all`: one host sync, on logging steps only (reading them every step stalled the GPU)."""
+    gate_means = record.pop(GATE_MEANS, None)
+    if gate_means is None:
+        return record
+    rows = gate_means.tolist()
+    record["gate_mean"] = {f"layer{i}": [None if math.isnan(v) else round(v, 5) for v in row] for i, row in enumerate(rows)}
+    valid = [v for row in rows for v in row if not math.isnan(v)]
+    record["gate_mean_all"] = sum(valid) / len(valid) if valid else float("nan")
     return record
 
 
@@ -188,7 +218,7 @@ def _accumulate(t: Trainee, batches: list[dict], step: int, n_loss: float, n_tok
     for i, batch in enumerate(batches):
         batch = {k: v.to(accelerator.device) for k, v in batch.items()}
         sync = contextlib.nullcontext() if i == t.accum - 1 else accelerator.no_sync(t.model)
-        with sync:
+        with sync, weight_casts_kept():
             terms, out = forward_objective(t.model, t.teacher, batch, recipe, step, n_loss_tokens=n_loss,
                                            n_tokens=n_tok, output_loop_states=want_states,
                                            teacher_autocast=accelerator.autocast, micro=i)
