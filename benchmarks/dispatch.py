@@ -1,6 +1,6 @@
 """Kernel ops the host dispatches per phase-1 training step, counted exactly on the CPU (issue 49).
 
-    python benchmarks/dispatch.py [--json PATH] [--sections train,train_compiled] [--layers 24]
+    python benchmarks/dispatch.py [--json PATH] [--sections train,train_compiled,decode] [--layers 24]
 
 On a GPU the chunk-wise step is bound by the host: each aten op is a kernel launch costing tens of
 microseconds of Python and dispatcher time, whatever the chunk's length. The number of ops does not
@@ -32,8 +32,9 @@ wrapper is one launch (`FusedKernelCounter` wraps every compiled graph's `call` 
 each time it runs). Graph breaks, unique graphs and recompiles
 come from torch._dynamo's counters over the same steps (chunk indices 0..3 at one chunk length).
 
-Sections are a dict in the JSON so that the decode counts (benchmarks/dispatch_decode.py) can be added
-as another section of the same document.
+The "decode" section is the token step's counts, per (layer, loop) and per token step, for Ouro and MELT,
+eager and compiled, with graph breaks and recompiles over 64 positions: `benchmarks/dispatch_decode.py`
+(which runs it alone too) says how they are counted.
 """
 
 from __future__ import annotations
@@ -365,7 +366,15 @@ def train_section(layers: int, compiled: bool, count_layers: tuple[int, int] | N
 
 
 SECTIONS = {"train": lambda a: train_section(a.layers, compiled=False, count_layers=a.count_layers),
-            "train_compiled": lambda a: train_section(a.layers, compiled=True, count_layers=a.count_layers)}
+            "train_compiled": lambda a: train_section(a.layers, compiled=True, count_layers=a.count_layers),
+            "decode": lambda a: decode_section()}
+
+
+def decode_section() -> dict:
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import dispatch_decode
+
+    return {"shapes": dispatch_decode.SHAPES, "models": dispatch_decode.decode_section()}
 
 
 def main(argv=None) -> dict:
@@ -394,6 +403,10 @@ def main(argv=None) -> dict:
 
 
 def headline(section: dict) -> dict:
+    if "models" in section:  # decode
+        return {kind: {path: round(out[path]["per_layer_loop"]["ops"] if path != "compiled" else out[path]["per_layer_loop"], 2)
+                       for path in ("eager", "captured_eager", "compiled")} | {"stability": out["stability"]}
+                for kind, out in section["models"].items()}
     unit = section["per_chunk_layer_loop"]
     out = {k: round(unit[k], 2) for k in ("total", "forward", "recompute", "backward")}
     out["fixed"] = round(section["fixed_per_step"]["total"], 1)

@@ -1,7 +1,7 @@
 """Kernel ops of one decode token step, counted on the CPU: eager, compiled, and whether the compiled step is
 one graph that never recompiles.
 
-    python benchmarks/dispatch_decode.py [--json PATH]
+    python benchmarks/dispatch_decode.py [--json PATH]     (also `benchmarks/dispatch.py --sections decode`)
 
 A decode step on a GPU is bound by the host when it issues more kernels than the bytes it reads can keep the
 device busy for (issue 49: 147 ms a token step at 32K against 12 ms of bytes). Op counts are exact and the same
@@ -53,6 +53,7 @@ LOOPS = 4
 PAPER_LAYERS = 24
 ROWS, PAST, CAPACITY = 2, 8, 96  # row 1 is left-padded by 3 columns; 64 more positions fit
 POSITIONS = 64
+SHAPES = {**DIMS, "loops": LOOPS, "rows": ROWS, "past": PAST, "capacity": CAPACITY, "dtype": "bfloat16"}
 
 
 def build(kind: str, layers: int) -> LoopLMForCausalLM:
@@ -191,15 +192,9 @@ def per_layer_loop(one: dict, two: dict, key: str) -> float:
     return (two[key] - one[key]) / LOOPS
 
 
-def main(argv=None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--json", type=Path, default=None, help="write the counts here")
-    args = ap.parse_args(argv)
-    torch.set_num_threads(1)  # counts do not depend on threads; compilation is lighter on a shared machine
-    t0 = time.perf_counter()
-    doc = {"script": "benchmarks/dispatch_decode.py", "torch": torch.__version__, "machine": platform.processor() or
-           platform.machine(), "load_avg_start": os.getloadavg(), "shapes": {**DIMS, "loops": LOOPS, "rows": ROWS,
-           "past": PAST, "capacity": CAPACITY, "dtype": "bfloat16"}, "models": {}}
+def decode_section() -> dict:
+    """Eager, captured-eager and compiled counts and graph stability for Ouro and MELT (`dispatch.py`'s "decode")."""
+    models = {}
     for kind in ("ouro", "melt"):
         out = {}
         for path in ("eager", "captured_eager"):
@@ -218,8 +213,19 @@ def main(argv=None) -> dict:
                            "fused_kernels_per_layer_loop": per_layer_loop(one, two, "fused_kernels"),
                            "extern_at_2_layers": two["extern"], "compile_s": [one["compile_s"], two["compile_s"]]}
         out["stability"] = graph_stability(kind)
-        doc["models"][kind] = out
+        models[kind] = out
         torch._dynamo.reset()
+    return models
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--json", type=Path, default=None, help="write the counts here")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(1)  # counts do not depend on threads; compilation is lighter on a shared machine
+    t0 = time.perf_counter()
+    doc = {"script": "benchmarks/dispatch_decode.py", "torch": torch.__version__, "machine": platform.processor() or
+           platform.machine(), "load_avg_start": os.getloadavg(), "shapes": SHAPES, "models": decode_section()}
     doc.update(total_s=time.perf_counter() - t0, load_avg_end=os.getloadavg())
     if args.json:
         args.json.write_text(json.dumps(doc, indent=1) + "\n")
