@@ -385,8 +385,8 @@ def memory_frontier(rs: ResultSet, out_dir: Path, task: str) -> list[Path]:
                     yerr=[p.stderr or 0 for p in ps], fmt=marker, color=colour, ecolor=colour, elinewidth=0.8,
                     capsize=2, markersize=9 if marker == "*" else 6, label=family, zorder=3)
     # A keyed legend: a number beside each point, the rows it stands for in the key right of the axes. Many rows
-    # share a cache size and nearly a score (MELT and its gates, the ladder), where names overlapped; one run in
-    # two tables (the gates' elementwise row is the ladder's no-align) is one point, one number.
+    # share a cache size and nearly a score (MELT and its gates, the ladder), where names overlapped; rows at the
+    # same point share a number.
     at: dict[tuple, list[FrontierPoint]] = defaultdict(list)
     for p in points:
         at[(round(p.bytes_per_sequence / MB, 3), round(p.score, 1))].append(p)
