@@ -238,7 +238,7 @@ def _run_demo(output: Path, quick: bool, progress: bool, seed: int, threads: int
             _echo(f"teacher stopped by its held-out pass@1 at step {stop['stopped_at']} (checks: "
                   + ", ".join(f"{c['step']}: {100 * c['pass@1']:.0f}%" for c in stop["checks"]) + ")"
                   if stop["stopped_at"] else f"teacher never reached its held-out target; trained to its last step "
-                  f"({len(stop['checks'])} checks)")
+                  f"({len(stop['checks'])} held-out check{'' if len(stop['checks']) == 1 else 's'})")
         _echo(f"reply loss at each loop, teacher-forced on {SEQUENCES} training chats (demo.json loop_profile): "
               + "; ".join(f"{name} {summary_line(rows)}" for name, rows in profiles.items()))
         _echo("gate z at loops 2-4 at the end of training, mean over layers (demo.json gate_profile): "
