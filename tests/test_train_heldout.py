@@ -163,3 +163,14 @@ def test_a_run_that_never_reaches_the_target_finishes_at_max_steps(tmp_path, mon
 
 def _same_weights(a: dict, b: dict) -> None:
     assert a.keys() == b.keys() and all(torch.allclose(a[k], b[k], atol=1e-6) for k in a)
+
+
+def test_a_task_without_enough_heldout_problems_is_one_line_before_anything_is_written(tmp_path):
+    toy = {**FAST, "data": [{"source": "synthetic", "n": 50, "num_steps": 1}], "stop_at_heldout": {**STOP, "problems": 2000}}
+    with pytest.raises(UserError, match=r"lower stop_at_heldout.problems, or set stop_at_heldout: null"):
+        run_recipe("pretrain-tiny", "tiny-random-ouro", tmp_path / "run", overrides=toy, progress=False)
+    assert not (tmp_path / "run" / "recipe.yaml").exists() and not (tmp_path / "run" / META_FILE).exists()
+    # a run that ends before its first check draws no held-out problems (a short run of the recipe on another task)
+    out = run_recipe("pretrain-tiny", "tiny-random-ouro", tmp_path / "short", progress=False,
+                     overrides={**toy, "max_steps": 1})
+    assert json.loads((out / META_FILE).read_text())["status"] == "finished"

@@ -77,13 +77,22 @@ def heldout_rows(src: dict, problems: int) -> list[dict]:
         rows = synthetic.make_split("test", skip + problems, seed=0, **opts)[skip:]
     except ValueError:
         raise UserError(f"stop_at_heldout: the {opts['form']} task has fewer than {problems} problems beside its "
-                        f"{skip} test problems; lower stop_at_heldout.problems") from None
+                        f"{skip} test problems; lower stop_at_heldout.problems, or set stop_at_heldout: null") from None
     test_problems = {r["problem"] for t in tests for r in synthetic.make_split("test", **t)}
     rows = [r for r in rows if r["problem"] not in test_problems]
     if len(rows) < problems:  # a test task drawn with another seed took some: never score on a test problem
         raise UserError(f"stop_at_heldout: only {len(rows)} held-out problems are left beside the test tasks; "
-                        f"lower stop_at_heldout.problems to {len(rows)}")
+                        f"lower stop_at_heldout.problems to {len(rows)}, or set stop_at_heldout: null")
     return rows
+
+
+def held_out_check(recipe, tokenizer) -> "HeldoutCheck | None":
+    """The run's check, or None: no stop_at_heldout, or a run that ends before its first check (a short test
+    run of the recipe on another task needs no held-out problems)."""
+    spec = recipe.stop_at_heldout
+    if not spec or recipe.max_steps < spec["every"]:
+        return None
+    return HeldoutCheck(recipe, tokenizer)
 
 
 class HeldoutCheck:

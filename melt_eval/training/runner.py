@@ -38,7 +38,7 @@ from melt_eval.files import DirLock
 from melt_eval.training.build import param_groups, prepare_training
 from melt_eval.training.checkpoints import load_checkpoint, write_checkpoint
 from melt_eval.training.config import Recipe
-from melt_eval.training.heldout import HeldoutCheck
+from melt_eval.training.heldout import HeldoutCheck, held_out_check
 from melt_eval.training.metrics import Logger, progress_bar, read_metrics, status, trackers
 from melt_eval.training.runs import FINISHED, run_state
 from melt_eval.training.run_files import META_FILE, export, prepare_output, run_meta, write_run_start
@@ -88,6 +88,7 @@ def _train(recipe: Recipe, output: Path, *, resume: bool, progress: bool, stop_a
         accelerator.print(f"note: {note}")
 
     trainee, tokenizer, info = prepare_training(accelerator, recipe, mp)
+    heldout = held_out_check(recipe, tokenizer)  # before the run's files: a task too small for it is one line, nothing written
     start_step, tokens_seen, last_good = 0, 0, None
     if resume:
         start_step, tokens_seen, last_good = load_checkpoint(accelerator, trainee.stream, output, candidates)
@@ -99,7 +100,6 @@ def _train(recipe: Recipe, output: Path, *, resume: bool, progress: bool, stop_a
         accelerator.print(f"note: {logger.note}")
 
     default_label = {"melt": f"melt phase {recipe.phase}", "exit_gate": "exit gate"}.get(recipe.target, "looplm")
-    heldout = HeldoutCheck(recipe, tokenizer) if recipe.stop_at_heldout else None
     try:
         step, tokens_seen, stopped = _loop(trainee, output, logger, start_step, tokens_seen, last_good, progress=progress,
                                            stop_after=stop_after, label=label or default_label, heldout=heldout)
