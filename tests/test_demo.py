@@ -236,9 +236,13 @@ def test_beyond_paper_stage_adds_its_rows_to_a_finished_demo_once(quick_demo, mo
 
 
 @pytest.mark.slow
-def test_full_demo_teacher_reaches_half_pass_at_1(tmp_path):
-    """The full demo's teacher, trained by its recipe and evaluated as the demo evaluates it, answers at
-    least half of the test problems per sample (pass@1 >= 0.5): the demo's numbers rest on it (~5 min)."""
+def test_full_demo_teacher_lands_off_the_ceiling(tmp_path):
+    """The full demo's teacher, trained by its recipe (stopped by its held-out pass@1) and evaluated as the demo
+    evaluates it, scores 60-92% pass@1 at T = 4: well above half, so the claims' gaps stand out of the noise, and
+    off the ceiling, so MELT's ratio to it is not decided at 100% (issue 51; was ">= 50%" while the teacher
+    trained to its last step and scored 100%) (~5 min idle)."""
+    from melt_eval.training.run_files import read_meta
+
     from melt_eval.experiments import ablations, demo
     from melt_eval.evaluation import RunPaths, run_tasks
     from melt_eval.generation.options import InferenceOptions
@@ -248,7 +252,9 @@ def test_full_demo_teacher_reaches_half_pass_at_1(tmp_path):
     max_problems = flags.pop("max_problems")
     [result] = run_tasks(demo.TASK, str(teacher), InferenceOptions.from_flags(**flags),
                          RunPaths(results_dir=tmp_path / "results"), max_problems=max_problems, progress=False)
-    assert result["metrics"]["pass@1"]["value"] >= 0.5, result["metrics"]
+    lo, hi = demo.TEACHER_AIM
+    assert lo <= result["metrics"]["pass@1"]["value"] <= hi, result["metrics"]
+    assert read_meta(teacher)["heldout"]["stopped_at"] is not None  # stopped by what it learned, not the step cap
 
 
 def test_long_stages_print_plain_progress_lines_in_a_log(tmp_path, monkeypatch):

@@ -45,6 +45,10 @@ FULL = DemoSize(pretrain={}, melt=None, problems=100, loops=(1, 2, 3, 4))
 QUICK = DemoSize(pretrain={"max_steps": 60, "batch_tokens": 2048, "micro_batch_size": 16, "save_every": 30},
                  melt={"max_steps": 3, "save_every": 3}, problems=8, loops=(2, 4), max_new_tokens=24)
 EVAL = dict(samples=16, temperature=1.0, top_p=0.7)
+# The full demo's teacher aim: its pass@1 at T = 4 off the ceiling (a 100% teacher decides every ratio claim at
+# the ceiling) and well above half (the gaps the claims compare must stand out of the noise). pretrain-tiny stops
+# the teacher by its held-out accuracy to land there (stop_at_heldout; issue 51).
+TEACHER_AIM = (0.60, 0.92)
 # --beyond-paper: rows picked by name from protocol.variants' beyond-the-paper ablations, each evaluated on the
 # demo's trained models with the same problems and samples as the paper's rows. The exit rows run on the teacher
 # and on MELT (full depth is each model's main evaluation); "agree" needs no gate, "gate" uses each model's
@@ -179,6 +183,7 @@ def _run_demo(output: Path, quick: bool, progress: bool, seed: int, threads: int
     from melt_eval.report.results import load_results
     from melt_eval.report.tables import build_tables
     from melt_eval.report.write import write_report
+    from melt_eval.training.run_files import read_meta
     from melt_eval.training.runs import final_gate_means
 
     report = write_report(results, output / "report", plot_task=TASK)
@@ -197,6 +202,7 @@ def _run_demo(output: Path, quick: bool, progress: bool, seed: int, threads: int
     def pass_at_1(name: str) -> float:
         return json.loads((results / name / TASK / "results.json").read_text())["metrics"]["pass@1"]["value"]
 
+    teacher_meta = read_meta(Path(teacher))
     say("")
     summary = {
         "quick": quick, "seed": seed, "compile": compile, "wall_time_s": round(time.perf_counter() - started, 1), "stages_s": stages,
@@ -204,6 +210,8 @@ def _run_demo(output: Path, quick: bool, progress: bool, seed: int, threads: int
         "teacher_pass@1": pass_at_1("ouro-tiny"), "melt_pass@1": pass_at_1("melt-tiny"), "loop_profile": profiles,
         "gate_profile": gate_profile,
         "teacher_pass@1_by_loops": {str(t): pass_at_1(f"loops/ouro-tiny-T{t}" if t != 4 else "ouro-tiny") for t in size.loops},
+        # pretrain-tiny's held-out checks (stop_at_heldout) and the step that stopped the teacher
+        "teacher_stop": teacher_meta.get("heldout") if isinstance(teacher_meta, dict) else None,
         "beyond_paper": _beyond_summary(measured, results, beyond) if beyond else None,
         "claims_hold": sum(c.holds is True for c in claims), "claims": len(claims),
         "close_calls": [c.claim for c in claims if c.close_call],
@@ -223,7 +231,14 @@ def _run_demo(output: Path, quick: bool, progress: bool, seed: int, threads: int
               f"1-minute load average {load['start'][0]:.1f} at the start, {load['end'][0]:.1f} at the end")
         _echo(f"pass@1 on the synthetic test split: teacher (ouro-tiny) {100 * summary['teacher_pass@1']:.1f}%, "
               f"MELT (melt-tiny) {100 * summary['melt_pass@1']:.1f}%"
-              + ("" if quick or summary["teacher_pass@1"] >= 0.5 else " (the teacher is below the 50% the full demo aims for)"))
+              + ("" if quick or TEACHER_AIM[0] <= summary["teacher_pass@1"] <= TEACHER_AIM[1]
+                 else f" (the full demo aims its teacher at {100 * TEACHER_AIM[0]:.0f}-{100 * TEACHER_AIM[1]:.0f}%)"))
+        stop = summary["teacher_stop"]
+        if stop:
+            _echo(f"teacher stopped by its held-out pass@1 at step {stop['stopped_at']} (checks: "
+                  + ", ".join(f"{c['step']}: {100 * c['pass@1']:.0f}%" for c in stop["checks"]) + ")"
+                  if stop["stopped_at"] else f"teacher never reached its held-out target; trained to its last step "
+                  f"({len(stop['checks'])} held-out check{'' if len(stop['checks']) == 1 else 's'})")
         _echo(f"reply loss at each loop, teacher-forced on {SEQUENCES} training chats (demo.json loop_profile): "
               + "; ".join(f"{name} {summary_line(rows)}" for name, rows in profiles.items()))
         _echo("gate z at loops 2-4 at the end of training, mean over layers (demo.json gate_profile): "

@@ -65,6 +65,7 @@ class Point:
     y: float
     source: str  # "paper" or "reproduced"
     melt: bool
+    stderr: float | None = None  # percent: one standard error over the problems (reproduced points)
 
 
 def memory_accuracy_points(rs: ResultSet, task: str = "math500", paper: bool = True) -> list[Point]:
@@ -90,7 +91,9 @@ def memory_accuracy_points(rs: ResultSet, task: str = "math500", paper: bool = T
             if model not in MODELS or not MODELS[model].params:
                 continue  # no parameter count, no total memory
             x = memory_row(model, contexts=(TOKENS_32K,)).context(TOKENS_32K).total_bytes / GB
-        points.append(Point(_display(model), x, acc, "reproduced", _is_melt(model)))
+        metric = result.metric("accuracy") or result.metric("pass@1")
+        se = None if metric is None or metric[1] is None else 100 * metric[1]
+        points.append(Point(_display(model), x, acc, "reproduced", _is_melt(model), se))
     return points
 
 
@@ -115,6 +118,8 @@ def memory_vs_accuracy(rs: ResultSet, out_dir: Path, task: str = "math500", pape
         if "reproduced" in pair:
             p = pair["reproduced"]
             ax.scatter(p.x, p.y, s=110 if melt else 60, color=colour, marker="*" if melt else "o", zorder=3)
+            if p.stderr:
+                ax.errorbar(p.x, p.y, yerr=p.stderr, color=colour, elinewidth=1, capsize=3, zorder=2)
         anchor = pair.get("reproduced") or pair["paper"]  # one label per model
         ax.annotate(label, (anchor.x, anchor.y), textcoords="offset points", xytext=(7, -3), fontsize=8,
                     color=colour if melt else "black", fontweight="bold" if melt else "normal")
@@ -133,9 +138,12 @@ def memory_vs_accuracy(rs: ResultSet, out_dir: Path, task: str = "math500", pape
                                   label="paper (its Total for 32k)"))
         if any(p.source == "reproduced" for p in points):
             handles.append(Line2D([], [], marker="o", linestyle="", color="grey",
-                                  label="reproduced" + ("" if measured_axis else " (exact, 32,768 tokens)")))
+                                  label="reproduced" + ("" if measured_axis else " (exact, 32,768 tokens)")
+                                  + (", bars: one standard error" if any(p.stderr for p in points) else "")))
         handles.append(Line2D([], [], marker="o", linestyle="", color=MELT_COLOUR, label="MELT"))
-        ax.margins(y=0.12)
+        # the whole 0-100 scale: zoomed to the points, a gap inside one standard error looked like a cliff (issue 51)
+        ax.set_ylim(0, 104)  # a little above 100: a point at 100 is not cut by the frame
+        ax.set_yticks(range(0, 101, 20))
         # below the axes: inside it would cover labelled points
         ax.legend(handles=handles, fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=len(handles),
                   frameon=False)
@@ -363,9 +371,12 @@ def pareto(points: list[FrontierPoint]) -> list[FrontierPoint]:
 def memory_frontier(rs: ResultSet, out_dir: Path, task: str) -> list[Path]:
     """Every evaluated row at its measured cache bytes per sequence, error bars one standard error, the Pareto
     frontier joined, one legend entry per family."""
+    from adjustText import adjust_text
+
     plt = _pyplot()
     points = frontier_points(rs, task)
     fig, ax = plt.subplots(figsize=(7.6, 4.8))
+    labels = []
     for family, (colour, marker) in FAMILIES.items():
         ps = [p for p in points if p.family == family]
         if not ps:
@@ -373,9 +384,16 @@ def memory_frontier(rs: ResultSet, out_dir: Path, task: str) -> list[Path]:
         ax.errorbar([p.bytes_per_sequence / MB for p in ps], [p.score for p in ps],
                     yerr=[p.stderr or 0 for p in ps], fmt=marker, color=colour, ecolor=colour, elinewidth=0.8,
                     capsize=2, markersize=9 if marker == "*" else 6, label=family, zorder=3)
-        for p in ps:
-            ax.annotate(p.label, (p.bytes_per_sequence / MB, p.score), textcoords="offset points", xytext=(5, 3),
-                        fontsize=6, color=colour)
+    # A keyed legend: a number beside each point, the rows it stands for in the key right of the axes. Many rows
+    # share a cache size and nearly a score (MELT and its gates, the ladder), where names overlapped; rows at the
+    # same point share a number.
+    at: dict[tuple, list[FrontierPoint]] = defaultdict(list)
+    for p in points:
+        at[(round(p.bytes_per_sequence / MB, 3), round(p.score, 1))].append(p)
+    key = []
+    for i, ((x, y), ps) in enumerate(sorted(at.items(), key=lambda item: (-item[0][1], item[0][0])), 1):
+        labels.append(ax.text(x, y, str(i), fontsize=7, fontweight="bold", color=FAMILIES[ps[0].family][0], zorder=5))
+        key.append(f"{i:>2} {y:5.1f}  " + " / ".join(p.label for p in ps))
     front = pareto(points)
     if len(front) > 1:
         ax.plot([p.bytes_per_sequence / MB for p in front], [p.score for p in front], color="black", linewidth=1,
@@ -388,9 +406,16 @@ def memory_frontier(rs: ResultSet, out_dir: Path, task: str) -> list[Path]:
         lo = min(p.score - (p.stderr or 0) for p in points)
         hi = max(p.score + (p.stderr or 0) for p in points)
         pad = max(2.0, 0.08 * (hi - lo))
-        ax.set_ylim(max(0.0, lo - pad), min(100.0, hi + pad))
+        top = min(100.0, hi + pad)
+        ax.set_ylim(max(0.0, lo - pad), top + 5)  # 5 points above the top row: room for its numbers
+        ax.set_yticks([t for t in ax.get_yticks() if t <= 100])
         ax.set_xlim(left=0, right=max(p.bytes_per_sequence for p in points) / MB * 1.2)
         ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=4, frameon=False)
+        ax.text(1.02, 1.0, "    pass@1  rows\n" + "\n".join(key), transform=ax.transAxes, va="top", fontsize=6.5,
+                family="monospace")
+        # the numbers moved apart and off the markers (adjustText), each joined to its point by a thin line
+        adjust_text(labels, x=[x for x, _ in at], y=[y for _, y in at], ax=ax, expand=(1.4, 1.8),
+                    arrowprops=dict(arrowstyle="-", color="grey", lw=0.4))
     else:
         ax.set_ylim(0, 100)
         ax.text(0.5, 0.5, f"no {task} results with a measured cache yet", transform=ax.transAxes, ha="center")

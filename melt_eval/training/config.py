@@ -26,7 +26,7 @@ EXECUTION_FIELDS = {"compile", "log_with"}
 # fields added after run identities were first published, with the value every earlier run had: at that
 # value a field is left out of a run's identity, so a run an older melt-eval trained is found, not retrained
 ADDED_FIELDS = {"prompt_as_one_chunk": False, "kv_heads": None, "exit_gate_k": 50.0, "exit_gate_gamma": 0.005,
-                "lr_schedule_steps": None,
+                "lr_schedule_steps": None, "stop_at_heldout": None,
                 "exit_aware_p": 0.0, "exit_aware_loops": []}
 # what is trained: MELT (converted or continued), a plain LoopLM, or only the early-exit gate of either
 TARGETS = ("melt", "looplm", "exit_gate")
@@ -86,6 +86,11 @@ class Recipe:
     # The cosine's length. null: max_steps. Longer than max_steps stops training partway down the cosine,
     # with the learning rate still high: the state a longer run passes through at that step.
     lr_schedule_steps: int | None = None
+    # Stop when the model has learned the task, not at a step count (melt_eval/training/heldout.py): every
+    # `every` steps, pass@1 at `loops` loops on a held-out split of the synthetic task, disjoint from train and
+    # test; the run stops, finished, once it reaches `target`. max_steps stays the cap. null: off.
+    # e.g. {loops: 4, target: 0.8, every: 50, problems: 20, samples: 4} (samples 1: greedy)
+    stop_at_heldout: dict | None = None
     lr: float = 8e-6
     gate_lr: float = 5e-4
     warmup_steps: int = 25
@@ -181,6 +186,9 @@ class Recipe:
             bad("data must list at least one source (see the recipes in melt_eval/recipes/)")
         check_data_sources(self.data, bad)
         check_sizes(self, bad)
+        from melt_eval.training.heldout import check_spec
+
+        check_spec(self.stop_at_heldout, self, bad)
         if self.target == "looplm" and (self.kd or self.align_beta or self.interpolation_steps):
             bad("target looplm trains a plain LoopLM: set kd: false, align_beta: 0, interpolation_steps: 0")
         if self.target == "exit_gate" and (self.kd or self.align_beta or self.interpolation_steps or self.ce_weight

@@ -38,6 +38,7 @@ from melt_eval.training.build import param_groups, prepare_training
 from melt_eval.training.checkpoints import load_checkpoint, write_checkpoint
 from melt_eval.training.config import Recipe
 from melt_eval.training.launch import accelerator_kwargs, announce_layout, check_fsdp, on_main
+from melt_eval.training.heldout import HeldoutCheck, held_out_check
 from melt_eval.training.metrics import Logger, progress_bar, read_metrics, status, trackers
 from melt_eval.training.runs import FINISHED, run_state
 from melt_eval.training.run_files import META_FILE, export, prepare_output, run_meta, write_run_start
@@ -96,6 +97,7 @@ def _train(recipe: Recipe, output: Path, *, resume: bool, progress: bool, stop_a
         accelerator.print(f"note: {note}")
 
     trainee, tokenizer, info = prepare_training(accelerator, recipe, mp)
+    heldout = held_out_check(recipe, tokenizer)  # before the run's files: a task too small for it is one line, nothing written
     start_step, tokens_seen, last_good = 0, 0, None
     if resume:
         start_step, tokens_seen, last_good = load_checkpoint(accelerator, trainee.stream, output, candidates, recipe,
@@ -109,14 +111,16 @@ def _train(recipe: Recipe, output: Path, *, resume: bool, progress: bool, stop_a
 
     default_label = {"melt": f"melt phase {recipe.phase}", "exit_gate": "exit gate"}.get(recipe.target, "looplm")
     try:
-        step, tokens_seen = _loop(trainee, output, logger, start_step, tokens_seen, last_good,
-                                  progress=progress, stop_after=stop_after, label=label or default_label)
+        step, tokens_seen, stopped = _loop(trainee, output, logger, start_step, tokens_seen, last_good, progress=progress,
+                                           stop_after=stop_after, label=label or default_label, heldout=heldout)
     finally:
         logger.close()
 
-    if step < recipe.max_steps:  # stopped early on purpose (stop_after): resumable, not finished
+    if step < recipe.max_steps and not stopped:  # stopped early on purpose (stop_after): resumable, not finished
         return output
     final = {**meta, "status": "finished", "steps": step, "tokens_seen": tokens_seen}
+    if heldout is not None:  # every check, the resumed run's earlier ones from its log (cut back to its checkpoint)
+        final["heldout"] = {"checks": logged_checks(output), "stopped_at": step if stopped else None}
     export(accelerator, trainee.model, tokenizer, output, final)
     if accelerator.is_main_process:
         from melt_eval.training.publish import write_model_card
@@ -126,18 +130,25 @@ def _train(recipe: Recipe, output: Path, *, resume: bool, progress: bool, stop_a
 
 
 def _loop(t: Trainee, output: Path, logger: Logger, step: int, tokens_seen: int, last_good: Path | None, *,
-          progress: bool, stop_after: int | None, label: str) -> tuple[int, int]:
-    """Optimiser steps from `step` to the end (or to stop_after), logging and checkpointing as the recipe
-    says; returns (steps done, tokens seen)."""
+          progress: bool, stop_after: int | None, label: str, heldout: HeldoutCheck | None = None) -> tuple[int, int, bool]:
+    """Optimiser steps from `step` to the end (or to stop_after, or to the held-out check that stops the run),
+    logging and checkpointing as the recipe says; returns (steps done, tokens seen, stopped by the check)."""
     recipe = t.recipe
     bar = progress_bar(progress and t.accelerator.is_main_process)
     task = bar.add_task(label, total=recipe.max_steps, completed=step, status="")
     end_step = recipe.max_steps if stop_after is None else min(recipe.max_steps, stop_after)
+    stopped = False
     with bar:
-        while step < end_step:
+        while step < end_step and not stopped:
             record = train_step(t, step, tokens_seen, last_good)
             step, tokens_seen = record["step"], record["tokens_seen"]
-            if (step - 1) % recipe.log_every == 0 or step == end_step:
+            if heldout is not None and heldout.due(step):  # every process checks alike, so all stop together
+                check = heldout.run(t.accelerator.unwrap_model(t.model), step)
+                record.update({"heldout": check, "heldout_pass@1": check["pass@1"]})
+                stopped = check["stop"]
+                t.accelerator.print(f"[{label}] step {step}: held-out pass@1 at T = {check['loops']} {check['pass@1']:.3f} "
+                                    f"(target {check['target']:g}{'; stopping' if stopped else ''}; {check['seconds']:.1f} s)")
+            if (step - 1) % recipe.log_every == 0 or step == end_step or "heldout" in record:
                 logger.log(read_gate_means(record))
             else:
                 record.pop(GATE_MEANS, None)
@@ -146,7 +157,13 @@ def _loop(t: Trainee, output: Path, logger: Logger, step: int, tokens_seen: int,
                 # this module's name, looked up at each save: tests wrap runner.write_checkpoint
                 trainer_state = {"step": step, "tokens_seen": tokens_seen, "data": t.stream.state_dict()}
                 last_good = write_checkpoint(t.accelerator, output, trainer_state, recipe.keep_checkpoints, last_good)
-    return step, tokens_seen
+    return step, tokens_seen, stopped
+
+
+def logged_checks(output: Path) -> list[dict]:
+    """The held-out checks of a run, in order, from its metrics log."""
+    path = output / "logs" / "metrics.jsonl"
+    return [r["heldout"] for _, r in read_metrics(path)[0] if isinstance(r.get("heldout"), dict)] if path.exists() else []
 
 
 def run_recipe(name: str | Recipe, from_model: str | None = None, output: str | Path = "runs/melt", *,
