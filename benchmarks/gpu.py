@@ -30,6 +30,13 @@ still returns its figures). The slots add up to the 420 s budget, so the whole r
 5. phase1_step_compiled: measure 1 with the compiled layer step (compilation timed apart). Last,
    because compilation time is the least predictable and the eager figures answer the aims.
 
+Named only (`--only fsdp`, outside the 7-minute default run): fsdp, `melt-eval train` under FSDP on one GPU
+(Accelerate runs FSDP on accelerators only, so the CPU tests cannot; docs/results/2026-11-27-distributed.md):
+`tiny-phase1` at alpha 1, 4 steps, launched plainly and with melt_eval/recipes/accelerate/fsdp.yaml
+(`--num_processes 1`): the FSDP run's recorded layout, its loss and gradient norm at every step against the
+plain run's (aim: <= 1e-5 relative), then the FSDP run killed (-9) after its step-2 checkpoint and resumed:
+its final SHA256SUMS against the uninterrupted FSDP run's.
+
 `--quick` runs every measure at tiny shapes on the CPU (or the given device) in a few minutes with
 the same precision set-up: bf16 autocast, the same recipe and options (compiled with the `aot_eager`
 backend, which traces as inductor does without generating code), so the CPU test exercises the GPU's
@@ -78,7 +85,8 @@ MEASURES = ("phase1_step", "decode", "decode_graphed", "chunk_overhead", "phase1
 # Seconds each measure may take at most, its process start-up included (the first H100 run took 109 s for
 # phase1_step, 24 s for decode and 122 s for chunk_overhead): they add up to the default budget, and a
 # measure cuts its own work short (its Clock) before the parent would kill it.
-SLOTS = {"phase1_step": 120, "decode": 40, "decode_graphed": 110, "chunk_overhead": 60, "phase1_step_compiled": 90}
+OPT_IN = ("fsdp",)  # run only when named with --only
+SLOTS = {"fsdp": 240, "phase1_step": 120, "decode": 40, "decode_graphed": 110, "chunk_overhead": 60, "phase1_step_compiled": 90}
 # What a fresh process may already hold on the device: its own CUDA context (about 0.5 GiB on an H100).
 CONTEXT_SLACK = 2 * 2**30
 GiB = 2**30
@@ -133,7 +141,7 @@ class Report:
         self.path, self.doc = path, {**header, "measures": {name: {"status": "not run"} for name in MEASURES}}
 
     def put(self, measure: str, **fields) -> None:
-        self.doc["measures"][measure].update(fields)
+        self.doc["measures"].setdefault(measure, {}).update(fields)  # an opt-in measure joins when it starts
         self.save()
 
     def save(self) -> None:
@@ -489,6 +497,62 @@ def decode_graphed(report: Report, shapes: Shapes, device: torch.device, clock: 
         report.put("decode_graphed", melt_vs_ouro_tokens_per_s_batch_1=one["ouro"]["step_s"] / one["melt"]["step_s"])
 
 
+# --- FSDP (named only) -----------------------------------------------------------------------------------
+
+FSDP_TRAIN = ["train", "--recipe", "tiny-phase1", "--from", "tiny-random-ouro", "--max-steps", "4", "--no-progress",
+              "--set", "interpolation_steps=0", "--set", 'mixed_precision="no"', "--set", "save_every=2"]
+
+
+def _train_cmd(out: Path, fsdp: bool, resume: bool = False) -> list[str]:
+    launch = ([sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+               str(REPO / "melt_eval/recipes/accelerate/fsdp.yaml"), "--num_processes", "1", "--mixed_precision", "no"]
+              if fsdp else [sys.executable])
+    return launch + ["-m", "melt_eval.cli", *FSDP_TRAIN, "--output", str(out)] + (["--resume"] if resume else [])
+
+
+def _steps(out: Path) -> list[tuple[float, float]]:
+    from melt_eval.training.metrics import read_metrics
+
+    return [(r["loss"], r["grad_norm"]) for _, r in read_metrics(out / "logs" / "metrics.jsonl")[0] if "grad_norm" in r]
+
+
+def fsdp(report: Report, shapes: Shapes, device: torch.device, clock: Clock) -> None:
+    """`melt-eval train` under FSDP (one GPU) against a plain run, and an FSDP kill -9 + --resume."""
+    import tempfile
+
+    if device.type != "cuda":
+        report.put("fsdp", status="skipped", reason="Accelerate runs FSDP on GPUs only (the CPU tests cover the refusal)")
+        return
+    work = Path(tempfile.mkdtemp(prefix="melt-fsdp-"))
+    env = {**os.environ, "MELT_EVAL_HOME": str(work / "home"), "HF_HUB_OFFLINE": "1"}
+    runs = {}
+    for name, use_fsdp in (("plain", False), ("fsdp", True)):
+        t0 = time.perf_counter()
+        proc = subprocess.run(_train_cmd(work / name, use_fsdp), env=env, capture_output=True, text=True,
+                              timeout=max(10.0, clock.left()))
+        if proc.returncode:
+            raise RuntimeError(f"{name} run: exit {proc.returncode}: {(proc.stderr.strip().splitlines() or [''])[-1]}")
+        meta = json.loads((work / name / "melt_eval_training.json").read_text())
+        runs[name] = {"seconds": time.perf_counter() - t0, "layout": meta.get("layout"), "steps": _steps(work / name)}
+    plain, sharded = runs["plain"]["steps"], runs["fsdp"]["steps"]
+    worst = max(abs(a - b) / max(abs(a), 1e-30) for x, y in zip(plain, sharded) for a, b in zip(x, y))
+    report.put("fsdp", runs=runs, worst_relative_difference=worst, parity_met=worst <= 1e-5 and len(plain) == len(sharded),
+               distributed_type=(runs["fsdp"]["layout"] or {}).get("distributed_type"))
+    # kill -9 once the step-2 checkpoint is complete, then --resume: the uninterrupted run's final sums?
+    out = work / "fsdp-killed"
+    proc = subprocess.Popen(_train_cmd(out, True), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    while proc.poll() is None and not (out / "checkpoints" / "step-000002" / "trainer_state.json").exists():
+        time.sleep(0.2)
+    os.killpg(proc.pid, 9)
+    proc.wait()
+    resumed = subprocess.run(_train_cmd(out, True, resume=True), env=env, capture_output=True, text=True,
+                             timeout=max(10.0, clock.left()))
+    same = resumed.returncode == 0 and (out / "SHA256SUMS").read_text() == (work / "fsdp" / "SHA256SUMS").read_text()
+    report.put("fsdp", resume_exit=resumed.returncode, resumed_sums_equal_uninterrupted=same,
+               resume_error=(resumed.stderr.strip().splitlines() or [""])[-1] if resumed.returncode else None)
+
+
 # --- the run -----------------------------------------------------------------------------------------------
 
 
@@ -545,6 +609,7 @@ RUNNERS = {
     "decode_graphed": decode_graphed,
     "chunk_overhead": chunk_overhead,
     "phase1_step_compiled": lambda r, sh, d, c: phase1(r, "phase1_step_compiled", sh, d, c, compiled=True),
+    "fsdp": fsdp,
 }
 STARTUP_S = 15  # a child's imports and device start-up, inside its slot
 
@@ -557,7 +622,8 @@ def run_measure(name: str, args, device: torch.device, shapes: Shapes) -> dict:
     try:
         report.put(name, pid=os.getpid(), device_in_use_at_start_bytes=assert_device_free(device, name))
         RUNNERS[name](report, shapes, device, clock)
-        report.put(name, status="done")
+        if report.doc["measures"][name].get("status") == "running":
+            report.put(name, status="done")
     except Exception as exc:  # reported in the JSON; the parent goes on with the next measure
         traceback.print_exc()
         report.put(name, status="error", error=f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
@@ -589,8 +655,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--json", type=Path, default=None, help="write the results here (rewritten after every result)")
     ap.add_argument("--budget-s", type=float, default=420.0, help="start nothing that would end after this (default 420)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--only", default=None, help=f"comma-separated subset of {','.join(MEASURES)}")
-    ap.add_argument("--measure", choices=MEASURES, default=None, help=argparse.SUPPRESS)  # the child's one measure
+    ap.add_argument("--only", default=None, help=f"comma-separated subset of {','.join(MEASURES)}, or {','.join(OPT_IN)} (named only)")
+    ap.add_argument("--measure", choices=MEASURES + OPT_IN, default=None, help=argparse.SUPPRESS)  # the child's one measure
     args = ap.parse_args(argv)
     device = torch.device(args.device)
     shapes = QUICK if args.quick else FULL
@@ -600,12 +666,13 @@ def main(argv=None) -> dict:
         torch.set_num_threads(min(2, torch.get_num_threads()))
     if args.measure:
         return run_measure(args.measure, args, device, shapes)
-    chosen = MEASURES if not args.only else tuple(m for m in MEASURES if m in args.only.split(","))
+    chosen = MEASURES if not args.only else tuple(m for m in MEASURES + OPT_IN if m in args.only.split(","))
     clock = Clock(device, args.budget_s)
     report = Report(args.json, header(device, shapes, args))
     # the least time each measure needs to be worth starting
     minimum = {"phase1_step": 10 if args.quick else 60, "decode": 20 if args.quick else 40, "decode_graphed": 30 if args.quick else 60,
-               "chunk_overhead": 20 if args.quick else 45, "phase1_step_compiled": 30 if args.quick else 90}
+               "chunk_overhead": 20 if args.quick else 45, "phase1_step_compiled": 30 if args.quick else 90,
+               "fsdp": 5 if args.quick else 120}
     part = (args.json or Path(os.environ.get("TMPDIR", "/tmp")) / "gpu").with_suffix(".measure.json")
     for name in chosen:
         # --quick (the CPU test) has no GPU minutes to save: a measure may take what is left of the budget

@@ -104,3 +104,13 @@ def test_other_errors_are_not_taken_for_out_of_memory(monkeypatch):
     monkeypatch.setattr(trainer.opt, "step", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("out of memory? no: a bug")))
     with pytest.raises(RuntimeError, match="a bug"):
         trainer.try_timed(64, 32, steps=1)
+
+
+def test_fsdp_is_named_only_and_says_why_it_does_not_run_on_the_cpu(tmp_path):
+    """Accelerate runs FSDP on GPUs only: the opt-in measure is outside the default run, and on the CPU it is
+    skipped with its reason rather than training something else (issue 50)."""
+    doc = run(tmp_path, "--only", "fsdp")
+    assert list(doc["measures"]) == ["phase1_step", "decode", "decode_graphed", "chunk_overhead", "phase1_step_compiled", "fsdp"]
+    fsdp = doc["measures"]["fsdp"]
+    assert fsdp["status"] == "skipped" and "GPUs only" in fsdp["reason"], fsdp
+    assert all(m["status"] == "not run" for name, m in doc["measures"].items() if name != "fsdp")
