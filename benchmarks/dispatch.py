@@ -90,6 +90,7 @@ class OpCounter(TorchDispatchMode):
         self.counts: Counter = Counter()  # (phase, op name) -> n
         self.phase = "other"
         self.in_layer = False
+        self.paused = False
 
     def where(self) -> str:
         backward = torch._C._current_graph_task_id() != -1
@@ -101,9 +102,17 @@ class OpCounter(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         packet = func.overloadpacket
-        if packet not in NO_KERNEL:
+        if packet not in NO_KERNEL and not self.paused:
             self.counts[(self.where(), "sync" if packet is SYNC else packet.__name__)] += 1
         return func(*args, **(kwargs or {}))
+
+    @contextlib.contextmanager
+    def uncounted(self):
+        outer, self.paused = self.paused, True
+        try:
+            yield
+        finally:
+            self.paused = outer
 
     def add(self, phase: str, name: str, n: int) -> None:
         self.counts[(phase, name)] += n
@@ -154,6 +163,55 @@ def counting_layer_steps(model, counter: OpCounter):
         yield
     finally:
         del inner._layer_step
+
+
+class FusedNorm(torch.autograd.Function):
+    """`F.rms_norm` as CUDA runs it, for counting: one fused kernel forward (`_fused_rms_norm`) and one backward
+    (`_fused_rms_norm_backward`). On the CPU torch 2.13 decomposes it into about 6 ops forward and 14 backward,
+    which a GPU never launches; under this stand-in those run uncounted (the numbers are the composite's, under
+    the forward's autocast state) and the counter adds one op each way."""
+
+    counter: OpCounter | None = None
+    composite = staticmethod(torch.nn.functional.rms_norm)
+
+    @staticmethod
+    def forward(ctx, x, weight, shape, eps):
+        ctx.shape, ctx.eps = shape, eps
+        ctx.autocast = (torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu"))
+        ctx.save_for_backward(x, weight)
+        counter = FusedNorm.counter
+        with counter.uncounted():
+            out = FusedNorm.composite(x, shape, weight, eps)
+        counter.add(counter.where(), "rms_norm (fused)", 1)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        counter = FusedNorm.counter
+        with counter.uncounted(), torch.enable_grad(), torch.autocast("cpu", enabled=ctx.autocast[0],
+                                                                      dtype=ctx.autocast[1]):
+            inputs = [x.detach().requires_grad_()] + ([weight.detach().requires_grad_()] if weight is not None else [])
+            out = FusedNorm.composite(inputs[0], ctx.shape, inputs[1] if weight is not None else None, ctx.eps)
+            grads = torch.autograd.grad(out, inputs, grad)
+        counter.add(counter.where(), "rms_norm_backward (fused)", 1)
+        return grads[0], (grads[1] if weight is not None else None), None, None
+
+
+@contextlib.contextmanager
+def norms_fused(counter: OpCounter):
+    """Count every `F.rms_norm` as the one fused kernel each way that CUDA launches (`FusedNorm`)."""
+    FusedNorm.counter = counter
+
+    def fused(x, normalized_shape, weight=None, eps=None):
+        return FusedNorm.apply(x, weight, tuple(normalized_shape), eps)
+
+    torch.nn.functional.rms_norm = fused
+    try:
+        yield
+    finally:
+        torch.nn.functional.rms_norm = FusedNorm.composite
+        FusedNorm.counter = None
 
 
 class CompiledOpCounter(OpCounter):
@@ -263,7 +321,7 @@ def one_step(student, teacher, optimizer, recipe: Recipe, seq_len: int, counter:
         phase("other")
 
 
-def count_steps(layers: int, compiled: bool) -> dict:
+def count_steps(layers: int, compiled: bool, fused_norms: bool = False) -> dict:
     """Op counts of one step at each number of chunks, after a warm-up step (compilation, optimizer state)."""
     student, teacher, recipe = build(layers)
     if compiled:
@@ -287,7 +345,8 @@ def count_steps(layers: int, compiled: bool) -> dict:
         counter = CompiledOpCounter() if compiled else OpCounter()
         FusedKernelCounter.current = counter
         try:
-            with causal_bias_outside_the_mode(), counting_layer_steps(student, counter), counter:
+            norms = norms_fused(counter) if fused_norms else contextlib.nullcontext()
+            with causal_bias_outside_the_mode(), counting_layer_steps(student, counter), norms, counter:
                 one_step(student, teacher, optimizer, recipe, chunks * CHUNK, counter)
         finally:
             FusedKernelCounter.current = None
@@ -342,12 +401,13 @@ def _extrapolate(a, b, n1: int, n2: int, n: int, scale1: float, scale2: float, s
     return (x1 + (x2 - x1) * (n - n1) / (n2 - n1)) / scale
 
 
-def train_section(layers: int, compiled: bool, count_layers: tuple[int, int] | None = None) -> dict:
+def train_section(layers: int, compiled: bool, count_layers: tuple[int, int] | None = None,
+                  fused_norms: bool = False) -> dict:
     """Counts at depth `layers`; with `count_layers` (n1, n2) counted at those two depths and extrapolated
     (every count is linear in N: the layers are alike), which is exact and much quicker."""
     if count_layers:
         n1, n2 = count_layers
-        s1, s2 = (train_section(n, compiled) for n in (n1, n2))
+        s1, s2 = (train_section(n, compiled, fused_norms=fused_norms) for n in (n1, n2))
         loops = SHAPE["total_ut_steps"]
         out = {"per_chunk_layer_loop": _extrapolate(s1["per_chunk_layer_loop"], s2["per_chunk_layer_loop"], n1, n2,
                                                     layers, n1 * loops, n2 * loops, layers * loops),
@@ -356,7 +416,7 @@ def train_section(layers: int, compiled: bool, count_layers: tuple[int, int] | N
         if compiled:
             out["dynamo"] = s1["dynamo"]  # the first count compiles; the second reuses its graphs
         return out
-    got = count_steps(layers, compiled)
+    got = count_steps(layers, compiled, fused_norms)
     out = summarise(got["rows"], layers, SHAPE["total_ut_steps"])
     if compiled:
         # warm-up: two steps of 3 and 4 chunks (chunk indices 0..3) compile every graph; the counted steps
@@ -366,6 +426,8 @@ def train_section(layers: int, compiled: bool, count_layers: tuple[int, int] | N
 
 
 SECTIONS = {"train": lambda a: train_section(a.layers, compiled=False, count_layers=a.count_layers),
+            "train_norms_fused": lambda a: train_section(a.layers, compiled=False, count_layers=a.count_layers,
+                                                         fused_norms=True),
             "train_compiled": lambda a: train_section(a.layers, compiled=True, count_layers=a.count_layers),
             "decode": lambda a: decode_section()}
 

@@ -196,7 +196,8 @@ class TrainingKVBuffer:
                mask: Tensor | None = None) -> Tensor:
         """Attention output heads [B, H, c, hd] of the chunk at columns [past, past + c)."""
         if past == 0:  # nothing stored before: plain autograd; the slots are filled for later chunks
-            self.write(key, k.detach(), v.detach(), 0)
+            if k.shape[2] < self.capacity:  # a single-chunk pass (the teacher's) has no later chunk to read them
+                self.write(key, k.detach(), v.detach(), 0)
             return chunk_attention(q, k, v)
         if token is None:  # no graph to link (no grad, or a prefix that needs none)
             kb, vb = self.write(key, k, v, past)

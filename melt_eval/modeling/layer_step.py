@@ -32,12 +32,12 @@ def attention_inputs(layer, x, h_prev, cos, sin, first_loop: bool, loop: int, ne
     entries from a_t (Ouro's per-loop cache) and/or the MELT state and its entries:
     h_1 = a_1, h_t = z_t * h_{t-1} + (1 - z_t) * a_t (docs/method.md#gates)."""
     a = layer.input_layernorm(x)
-    q = layer.self_attn.query(a, cos, sin)
-    base = layer.self_attn.key_value(a, cos, sin) if need_base else None
-    melt, h, z = None, None, None
+    h, z = None, None
     if need_melt:
         h, z = (a, None) if first_loop else layer.update_state(h_prev, a, loop, kv_sharing)
-        melt = layer.self_attn.key_value(h, cos, sin)
+    q, entries = layer.self_attn.queries_and_keys(a, ([a] if need_base else []) + ([h] if need_melt else []), cos, sin)
+    base = entries.pop(0) if need_base else None
+    melt = entries.pop(0) if need_melt else None
     return q, base, melt, h, z
 
 

@@ -176,6 +176,16 @@ class LoopLMAttention(nn.Module):
         k = apply_rope(self._heads(self.k_proj(h), self.num_kv_heads), cos, sin)
         return k, self._heads(self.v_proj(h), self.num_kv_heads)
 
+    def queries_and_keys(self, a: Tensor, kv_inputs: list[Tensor], cos: Tensor, sin: Tensor):
+        """`query(a)` and `key_value(h)` for each h of `kv_inputs`, with RoPE applied to q and every k in one pass
+        over their concatenated heads: the same numbers, but one swap, multiply and multiply-add per step
+        instead of one per tensor (the chunked training step is bound by the number of kernels it launches)."""
+        q = self._heads(self.q_proj(a), self.num_heads)  # [B, H, c, hd]
+        ks = [self._heads(self.k_proj(h), self.num_kv_heads) for h in kv_inputs]  # each [B, KVH, c, hd]
+        vs = [self._heads(self.v_proj(h), self.num_kv_heads) for h in kv_inputs]
+        q, *ks = apply_rope(torch.cat([q, *ks], dim=1), cos, sin).split([q.shape[1]] + [k.shape[1] for k in ks], dim=1)
+        return q, list(zip(ks, vs))
+
     def output(self, heads: Tensor) -> Tensor:
         """o_proj of the attention heads [B, H, c, hd] -> [B, c, d]."""
         b, _, c, _ = heads.shape
