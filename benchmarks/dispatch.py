@@ -179,7 +179,7 @@ class FusedNorm(torch.autograd.Function):
         ctx.shape, ctx.eps = shape, eps
         ctx.autocast = (torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu"))
         ctx.save_for_backward(x, weight)
-        counter = FusedNorm.counter
+        ctx.counter = counter = FusedNorm.counter
         with counter.uncounted():
             out = FusedNorm.composite(x, shape, weight, eps)
         counter.add(counter.where(), "rms_norm (fused)", 1)
@@ -188,7 +188,7 @@ class FusedNorm(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         x, weight = ctx.saved_tensors
-        counter = FusedNorm.counter
+        counter = ctx.counter
         with counter.uncounted(), torch.enable_grad(), torch.autocast("cpu", enabled=ctx.autocast[0],
                                                                       dtype=ctx.autocast[1]):
             inputs = [x.detach().requires_grad_()] + ([weight.detach().requires_grad_()] if weight is not None else [])

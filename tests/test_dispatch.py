@@ -17,11 +17,15 @@ import dispatch  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-# What the step reaches now (docs/results/2026-11-27-dispatch.md); before issue 49: 362.78 per (chunk, layer,
+# What the step reaches now (docs/results/2026-11-28-dispatch.md); before issue 49: 362.78 per (chunk, layer,
 # loop), 8,826 fixed per step, compiled 160.78. Issue 49's aims: <= 200, <= 2,000 and <= 60. An op more fails.
-EAGER_PER_UNIT = 324.05
-FIXED_PER_STEP = 5058
+EAGER_PER_UNIT = 288.91
+FIXED_PER_STEP = 4674
 COMPILED_PER_UNIT = 148.8
+# With F.rms_norm counted as the one fused kernel each way that CUDA launches (the CPU's is a composite):
+# what a GPU issues. Both meet the aims.
+NORMS_FUSED_PER_UNIT = 194.16
+NORMS_FUSED_FIXED = 1958
 
 
 @pytest.fixture(scope="module")
@@ -40,6 +44,40 @@ def test_fixed_ops_per_step_stay_within_budget(eager):
     fixed = eager["fixed_per_step"]
     assert round(fixed["total"]) <= FIXED_PER_STEP, fixed
     assert fixed["by_phase"]["teacher"] > 0 and fixed["by_phase"]["optimizer"] > 0
+
+
+def test_with_norms_fused_as_on_cuda_the_step_meets_the_200_and_2000_op_aims():
+    section = dispatch.train_section(24, compiled=False, count_layers=(1, 2), fused_norms=True)
+    unit, fixed = section["per_chunk_layer_loop"], section["fixed_per_step"]
+    assert round(unit["total"], 2) <= NORMS_FUSED_PER_UNIT <= 200, unit
+    assert round(fixed["total"]) <= NORMS_FUSED_FIXED <= 2000, fixed
+
+
+def test_the_fused_norm_stand_in_computes_what_rms_norm_computes():
+    """The counted step must be the same computation: `FusedNorm` gives F.rms_norm's outputs and gradients, bit for
+    bit, with and without a weight, in fp32 and under bf16 autocast (a bf16 input and an fp32 weight)."""
+    import torch
+    import torch.nn.functional as F
+
+    g = torch.Generator().manual_seed(0)
+    for dtype, weighted, autocast in ((torch.float32, True, False), (torch.float32, False, False),
+                                      (torch.bfloat16, False, True), (torch.float32, True, True)):
+        x = torch.randn(3, 5, 16, generator=g).to(dtype).requires_grad_()
+        w = torch.randn(16, generator=g).requires_grad_() if weighted else None
+        counter = dispatch.OpCounter()
+        results = []
+        for fused in (False, True):
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                with dispatch.norms_fused(counter) if fused else dispatch.contextlib.nullcontext():
+                    y = F.rms_norm(x, (16,), w, 1e-6)
+            grads = torch.autograd.grad((y.float() ** 2).sum(), [x] + ([w] if weighted else []))
+            results.append((y, grads))
+        (y0, g0), (y1, g1) = results
+        assert torch.equal(y0, y1) and y0.dtype == y1.dtype
+        assert all(torch.equal(a, b) for a, b in zip(g0, g1))
+        assert counter.counts[("other", "rms_norm (fused)")] == 1
+        assert counter.counts[("backward", "rms_norm_backward (fused)")] == 1
+    assert F.rms_norm is dispatch.FusedNorm.composite  # restored
 
 
 @pytest.mark.slow

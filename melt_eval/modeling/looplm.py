@@ -179,11 +179,15 @@ class LoopLMAttention(nn.Module):
     def queries_and_keys(self, a: Tensor, kv_inputs: list[Tensor], cos: Tensor, sin: Tensor):
         """`query(a)` and `key_value(h)` for each h of `kv_inputs`, with RoPE applied to q and every k in one pass
         over their concatenated heads: the same numbers, but one swap, multiply and multiply-add per step
-        instead of one per tensor (the chunked training step is bound by the number of kernels it launches)."""
-        q = self._heads(self.q_proj(a), self.num_heads)  # [B, H, c, hd]
-        ks = [self._heads(self.k_proj(h), self.num_kv_heads) for h in kv_inputs]  # each [B, KVH, c, hd]
+        instead of one per tensor (the chunked training step is bound by the number of kernels it launches).
+        RoPE runs in the projections' [B, c, heads, hd] layout: q keeps it, and SDPA's output follows q's
+        layout, so `output` reshapes it without a copy."""
+        b, c, _ = a.shape
+        q = self.q_proj(a).view(b, c, self.num_heads, self.head_dim)
+        ks = [self.k_proj(h).view(b, c, self.num_kv_heads, self.head_dim) for h in kv_inputs]
         vs = [self._heads(self.v_proj(h), self.num_kv_heads) for h in kv_inputs]
-        q, *ks = apply_rope(torch.cat([q, *ks], dim=1), cos, sin).split([q.shape[1]] + [k.shape[1] for k in ks], dim=1)
+        rotated = apply_rope(torch.cat([q, *ks], dim=2), cos.transpose(1, 2), sin.transpose(1, 2))  # [B, c, H + n KVH, hd]
+        q, *ks = (t.transpose(1, 2) for t in rotated.split([q.shape[2]] + [k.shape[2] for k in ks], dim=2))
         return q, list(zip(ks, vs))
 
     def output(self, heads: Tensor) -> Tensor:
