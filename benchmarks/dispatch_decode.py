@@ -61,7 +61,7 @@ def build(kind: str, layers: int) -> LoopLMForCausalLM:
     model = LoopLMForCausalLM(LoopLMConfig(**DIMS, num_hidden_layers=layers, total_ut_steps=LOOPS))
     if kind == "melt":
         model = MeltForCausalLM.from_looplm(model, gate="elementwise", seed=0)
-    return model.to(torch.bfloat16).eval()
+    return model.to(torch.bfloat16).eval().requires_grad_(False)  # as the native backend holds the model it evaluates
 
 
 def wave(model) -> tuple[StaticStore, torch.Tensor]:

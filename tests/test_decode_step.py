@@ -42,6 +42,26 @@ def test_the_compiled_step_gives_the_eager_tokens(models, kind, options):
         assert torch.allclose(torch.tensor(e), torch.tensor(c), atol=5e-3)  # inductor reorders fp32 sums
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["ouro", "melt"])
+def test_frozen_weights_compile_in_and_a_change_to_them_is_seen(models, kind):
+    """The native backend evaluates a model that trains nothing; its compiled step holds the weights as constants
+    (inductor's freezing, which merges q|k|v and gate|up). Its tokens are the eager step's, and weights changed
+    in place afterwards reach the next compiled step instead of the constants of the first."""
+    import copy
+
+    model = copy.deepcopy(models[kind]).requires_grad_(False)
+    assert decode_step.frozen_weights_config(model)["freezing"] is True
+    eager = generate(model, PROMPTS, InferenceOptions(), **GREEDY)
+    assert generate(model, PROMPTS, InferenceOptions(), decode_mode="compiled", **GREEDY).sequences == eager.sequences
+    with torch.no_grad():
+        model.lm_head.weight.mul_(-1.0)  # the opposite preferences: other tokens
+    changed = generate(model, PROMPTS, InferenceOptions(), **GREEDY)
+    assert changed.sequences != eager.sequences
+    assert generate(model, PROMPTS, InferenceOptions(), decode_mode="compiled", **GREEDY).sequences == changed.sequences
+    assert decode_step.frozen_weights_config(models[kind]) == {}  # a model with trainable weights keeps them as inputs
+
+
 @pytest.fixture(scope="module")
 def models64(random_looplm):
     ouro = random_looplm(0.3, dtype=torch.float64)

@@ -334,6 +334,7 @@ def make_backend(model: str, options: InferenceOptions, settings: BackendSetting
         device = "cuda" if torch.cuda.is_available() else "cpu"
         dtype = torch.bfloat16 if device == "cuda" else torch.float32
         loaded, tokenizer = load_model(str(model_dir), dtype=dtype, device=device, verify=False)  # verified above
+        loaded.requires_grad_(False)  # evaluated, never trained here: the captured decode step freezes its weights in
         config = loaded.config
     else:
         from transformers import AutoConfig

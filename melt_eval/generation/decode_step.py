@@ -17,6 +17,12 @@ recompile across positions; what the CPU tests and `benchmarks/dispatch_decode.p
 the same compiled step in `mode="reduce-overhead"`, whose CUDA graphs replay the step with one launch; the KV
 buffers are marked static so the graph writes them in place). `--no-cuda-graphs` keeps a CUDA run eager.
 Quantized and "w/ prefill" caches, and early exit (rows leave the batch mid-step), stay eager: `captured_mode`.
+
+A model none of whose parameters requires a gradient (the native backend freezes the model it evaluates) is
+compiled with its weights frozen in as constants (inductor's `freezing`): inductor then merges the products
+that share an input, q|k|v and the MLP's gate|up (on the CPU with `cpp.enable_concat_linear`), one launch where
+there were two or three. The weights are then part of the compiled code, so a change to them (seen by their
+version counters) drops the compiled steps; a model that trains (the held-out check's) keeps them as inputs.
 """
 
 from __future__ import annotations
@@ -83,6 +89,7 @@ class DecodeStep:
                 torch._dynamo.mark_static_address(vb)
             torch._dynamo.mark_static_address(self.column)
         self.fn = torch.compile(_logits, **options)
+        self.inductor_config = frozen_weights_config(model) if backend is None else {}
 
     def __call__(self, tokens: Tensor, position_ids: Tensor) -> Tensor:
         if self.fn is None:
@@ -92,7 +99,22 @@ class DecodeStep:
         self.column.fill_(self.store.length)
         if self.mode == "graphed":
             torch.compiler.cudagraph_mark_step_begin()  # the previous step's logits have been consumed
-        logits = self.fn(self.model, self.device_policy, self.key_mask, self.kv_sharing, tokens, position_ids)
+        with torch._inductor.config.patch(self.inductor_config):  # read where inductor compiles: in this call
+            logits = self.fn(self.model, self.device_policy, self.key_mask, self.kv_sharing, tokens, position_ids)
         self.store.length += 1
         # a graph's output lives in memory its next replay overwrites
         return logits.clone() if self.mode == "graphed" else logits
+
+
+def frozen_weights_config(model) -> dict:
+    """Inductor's settings for compiling `model`'s step: its weights frozen in where nothing of it trains (see the
+    module's docstring), else none. Frozen weights that changed since the last compile drop every compiled step
+    (`torch._dynamo.reset`): they live in the compiled code, which dynamo's guards do not check."""
+    params = list(model.parameters())
+    if any(p.requires_grad for p in params):
+        return {}
+    signature = tuple((p.data_ptr(), p._version) for p in params)
+    if getattr(model, "_frozen_decode_weights", signature) != signature:
+        torch._dynamo.reset()
+    model._frozen_decode_weights = signature
+    return {"freezing": True, "cpp.enable_concat_linear": True}
