@@ -18,11 +18,11 @@ def counts(tmp_path_factory):
 
 # Issue 49's aims: eager <= 45 ops per (layer, loop) on a GPU, compiled <= 12 launches, no graph break or recompile.
 # Eager on the CPU, RMSNorm is 8 ops however it is written (F.rms_norm decomposes here), one fused kernel on CUDA:
-# the CPU count is pinned as reached (7111383: 59 Ouro, 65.75 MELT; the additive key mask took 3 off) and the count
-# with fused norms carries the aim. The compiled count reaches 12 only with the merged q/k/v and gate/up projections
-# (branch issue49a): today 7 of Ouro's 13 launches are separate GEMMs and one writes v apart from k.
-EAGER = {"ouro": 56, "melt": 62.75}
-COMPILED = {"ouro": 13, "melt": 15.25}
+# the CPU count is pinned as reached (7111383: 59 Ouro, 65.75 MELT) and the count with fused norms carries the aim.
+# Compiled, the engine's model (which trains nothing) has its weights frozen in, and inductor merges q|k|v and
+# gate|up: 4 and 5.75 GEMMs per (layer, loop) instead of 7 and 8.5 (docs/results/2026-11-28-dispatch.md).
+EAGER = {"ouro": 50, "melt": 54.5}
+COMPILED = {"ouro": 9, "melt": 11}
 
 
 @pytest.mark.slow  # inductor compiles four tiny models (a few minutes on a loaded 2-core machine)
@@ -34,7 +34,7 @@ def test_the_decode_step_stays_within_its_op_budgets(counts, kind):
     assert eager["per_layer_loop"]["fused_norms"] <= 45
     # the captured step's device-side addressing costs nothing per (layer, loop): its ops are the eager step's
     assert captured["per_layer_loop"] == eager["per_layer_loop"]
-    assert 0 < compiled["per_layer_loop"] <= COMPILED[kind]
+    assert 0 < compiled["per_layer_loop"] <= COMPILED[kind] <= 12
     assert compiled["extern_at_2_layers"]["extern_kernels.mm"] > 0  # the count did read inductor's code
     assert stable["positions"] >= 64 and stable["graph_breaks"] == 0 and stable["recompiles"] == 0
     assert stable["frames_compiled"] == 1
