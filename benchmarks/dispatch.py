@@ -1,6 +1,6 @@
 """Kernel ops the host dispatches per phase-1 training step, counted exactly on the CPU (issue 49).
 
-    python benchmarks/dispatch.py [--json PATH] [--sections train,train_compiled,decode] [--layers 24]
+    python benchmarks/dispatch.py [--json PATH] [--sections train,train_norms_fused,train_compiled,decode] [--layers 24]
 
 On a GPU the chunk-wise step is bound by the host: each aten op is a kernel launch costing tens of
 microseconds of Python and dispatcher time, whatever the chunk's length. The number of ops does not
@@ -31,6 +31,10 @@ kernels inductor generates are counted from the generated code: each `cpp_fused_
 wrapper is one launch (`FusedKernelCounter` wraps every compiled graph's `call` and adds its kernel calls
 each time it runs). Graph breaks, unique graphs and recompiles
 come from torch._dynamo's counters over the same steps (chunk indices 0..3 at one chunk length).
+
+The "train_norms_fused" section is the eager step with every `F.rms_norm` counted as CUDA launches it, one
+fused kernel each way (`FusedNorm`): on the CPU torch 2.13 runs a composite of about 20 ops that a GPU never
+issues, so this is the count that stands for the GPU's.
 
 The "decode" section is the token step's counts, per (layer, loop) and per token step, for Ouro and MELT,
 eager and compiled, with graph breaks and recompiles over 64 positions: `benchmarks/dispatch_decode.py`
