@@ -57,7 +57,8 @@ def chunk_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None)
     if c == s:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
     if q.device.type == "cpu":
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=lower_right_mask(c, s, q.dtype, q.device), enable_gqa=gqa)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=lower_right_mask(c, s, q.dtype, q.device, torch.is_inference_mode_enabled()),
+                                              enable_gqa=gqa)
     if gqa:  # the lower-right kernels take equal head counts
         rep = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
@@ -65,13 +66,14 @@ def chunk_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None)
 
 
 @functools.lru_cache(maxsize=2)
-def lower_right_mask(c: int, s: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+def lower_right_mask(c: int, s: int, dtype: torch.dtype, device: torch.device, inference_mode: bool = False) -> Tensor:
     """The additive bottom-right causal mask [c, s] (0 where query i may see key j <= s - c + i, -inf elsewhere).
 
     For the CPU only: its SDPA materialises `causal_lower_right`'s mask at every call (five ops at every
     (layer, loop), forward, recompute and backward), while CUDA's kernels take the bias without a mask. Every
     (layer, loop) of a chunk, and its backward, attend at the same (c, s), so the mask is built once per chunk;
-    two entries cover a chunk's forward next to the backward of another. Read-only: SDPA never writes it."""
+    two entries cover a chunk's forward next to the backward of another. Read-only: SDPA never writes it. Keyed
+    on inference mode too: a mask made under `torch.inference_mode` cannot be saved for a later backward."""
     allowed = torch.ones(c, s, dtype=torch.bool, device=device).tril(s - c)
     return torch.zeros(c, s, dtype=dtype, device=device).masked_fill_(~allowed, float("-inf"))
 
