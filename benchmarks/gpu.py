@@ -472,7 +472,8 @@ def graphed_steps(model, rows: int, context: int, new: int, device: torch.device
 
 def decode_graphed(report: Report, shapes: Shapes, device: torch.device, clock: Clock) -> None:
     student, teacher = build_pair(shapes.model, device)
-    models = {"ouro": teacher.eval(), "melt": student.to(torch.bfloat16).eval()}
+    # as the native backend holds the model it evaluates: nothing trains, so the captured step freezes the weights in
+    models = {"ouro": teacher.eval(), "melt": student.to(torch.bfloat16).eval().requires_grad_(False)}
     bandwidth = measure_bandwidth(device, clock)
     long, new, budget = max(shapes.decode_contexts), shapes.decode_new, shapes.cache_budget
     backend = "inductor" if shapes.compile_backend == "inductor" else shapes.compile_backend

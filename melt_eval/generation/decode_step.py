@@ -89,7 +89,7 @@ class DecodeStep:
                 torch._dynamo.mark_static_address(vb)
             torch._dynamo.mark_static_address(self.column)
         self.fn = torch.compile(_logits, **options)
-        self.inductor_config = frozen_weights_config(model) if backend is None else {}
+        self.inductor_config = frozen_weights_config(model) if backend in (None, "inductor") else {}
 
     def __call__(self, tokens: Tensor, position_ids: Tensor) -> Tensor:
         if self.fn is None:
