@@ -27,6 +27,8 @@ version counters) drops the compiled steps; a model that trains (the held-out ch
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from melt_eval.modeling.kv_cache import DeviceAddressedKV, PerLoopKV, SharedKV, StaticStore
@@ -99,7 +101,9 @@ class DecodeStep:
         self.column.fill_(self.store.length)
         if self.mode == "graphed":
             torch.compiler.cudagraph_mark_step_begin()  # the previous step's logits have been consumed
-        with torch._inductor.config.patch(self.inductor_config):  # read where inductor compiles: in this call
+        # read where inductor compiles: in this call; no patch to open (host time every token) when there is none
+        patch = torch._inductor.config.patch(self.inductor_config) if self.inductor_config else contextlib.nullcontext()
+        with patch:
             logits = self.fn(self.model, self.device_policy, self.key_mask, self.kv_sharing, tokens, position_ids)
         self.store.length += 1
         # a graph's output lives in memory its next replay overwrites
