@@ -18,11 +18,16 @@ import signal
 import sys
 import threading
 
+from melt_eval import interrupts  # signal and threading only
+
+STARTING_INTERRUPTED = "interrupted: melt-eval was starting; nothing was done\n"
+
 
 def _interrupted_while_starting(signum, frame) -> None:
     """Ctrl-C while the command modules load (seconds on a busy machine): one line, exit 130, no traceback
     (SystemExit leaves an import quietly; nothing has been done yet)."""
-    sys.stderr.write("interrupted: melt-eval was starting; nothing was done\n")
+    interrupts.mark()  # should an import swallow the SystemExit, main() still stops before the command runs
+    sys.stderr.write(STARTING_INTERRUPTED)
     sys.exit(130)
 
 
@@ -74,12 +79,31 @@ if _in_main_thread:
 
 
 def main() -> None:
-    """Console entry point: user errors become one line on stderr and exit code 2."""
+    """Console entry point: user errors become one line on stderr and exit code 2; Ctrl-C is one line and
+    exit 130 wherever it lands (melt_eval/interrupts.py)."""
+    if interrupts.requested():  # Ctrl-C at start-up whose SystemExit an import swallowed; its line is written
+        sys.exit(130)
+    interrupts.install()
     try:
         app()
     except UserError as exc:
         typer.secho(f"error: {exc}", fg=typer.colors.RED, err=True)
         sys.exit(2)
+    except (KeyboardInterrupt, Exception) as exc:  # while typer builds the commands, or an error after Ctrl-C
+        if not interrupts.is_interrupt(exc):
+            raise
+        lost = "" if isinstance(exc, KeyboardInterrupt) else f" ({type(exc).__name__} on the way out)"
+        _say_interrupted(f"stopped at Ctrl-C{lost}")
+    except SystemExit as exc:  # typer's silent exit 130 for a KeyboardInterrupt no command caught
+        if exc.code != 130 or not interrupts.requested() or interrupts.reported():
+            raise
+        _say_interrupted("stopped at Ctrl-C")
+
+
+def _say_interrupted(what: str) -> None:
+    typer.secho(f"interrupted: {what}", fg=typer.colors.YELLOW, err=True)
+    interrupts.handled()
+    sys.exit(130)
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
+import typer
 import torch
 from safetensors.torch import load_file
 
@@ -169,6 +170,17 @@ def train_process(out: Path, *extra: str) -> subprocess.Popen:
                              str(config), *extra], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
+def catches_sigint(pid: int) -> bool:
+    """Whether the process has a SIGINT handler yet (Linux: SigCgt in /proc/PID/status). Before the interpreter
+    installs one, Ctrl-C kills any Python program silently (-SIGINT), whatever its code."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except FileNotFoundError:
+        return False
+    caught = int(next(line.split()[1] for line in status.splitlines() if line.startswith("SigCgt:")), 16)
+    return bool(caught & (1 << (signal.SIGINT - 1)))
+
+
 def wait_for(condition, proc: subprocess.Popen, timeout: float = 300) -> None:
     end = time.monotonic() + timeout
     while not condition() and proc.poll() is None and time.monotonic() < end:
@@ -188,7 +200,9 @@ def test_ctrl_c_at_a_random_moment_is_one_line_and_the_next_run_continues(tmp_pa
     out = tmp_path / "run"
     proc = train_process(out)
     if moment == "start-up":  # imports, model building, data: before the first step is logged
-        time.sleep(rng.uniform(0.05, 3.0))
+        # the interpreter's own start (until it catches SIGINT, then site and io) is Python's to report
+        wait_for(lambda: catches_sigint(proc.pid), proc)
+        time.sleep(rng.uniform(0.15, 3.0))
     elif moment == "steps":
         wait_for(lambda: len(checkpoints(out)) >= 1, proc)
         time.sleep(rng.uniform(0, 0.5))
@@ -205,6 +219,53 @@ def test_ctrl_c_at_a_random_moment_is_one_line_and_the_next_run_continues(tmp_pa
     again = train_process(out, *resume)
     _, err = again.communicate(timeout=600)
     assert again.returncode == 0, f"seed {seed}, after {lines[0]!r}: {err}"
+    assert json.loads((out / "melt_eval_training.json").read_text())["status"] == "finished"
+
+
+def test_an_error_after_ctrl_c_is_the_interrupt_and_any_other_error_is_not(tmp_path, monkeypatch, capsys):
+    """An import cut by Ctrl-C can fail later with another error (numpy.dtypes half-bound: RecursionError)."""
+    from melt_eval import interrupts
+    from melt_eval.training.cli import one_line_interrupt
+
+    with pytest.raises(RecursionError):  # no Ctrl-C: the error is the error
+        with one_line_interrupt(tmp_path / "run"):
+            raise RecursionError("maximum recursion depth exceeded")
+    monkeypatch.setattr(interrupts, "_requested", True)
+    with pytest.raises(typer.Exit) as exit_info:
+        with one_line_interrupt(tmp_path / "run"):
+            raise RecursionError("maximum recursion depth exceeded")
+    assert exit_info.value.exit_code == 130
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["interrupted: nothing was written yet; run the same command again (without --resume)"]
+
+
+def test_a_ctrl_c_a_library_swallowed_stops_training_at_the_next_step(tmp_path, monkeypatch, capsys):
+    from melt_eval import interrupts
+    from melt_eval.training import runner
+
+    monkeypatch.setattr(interrupts, "_requested", False)
+    monkeypatch.setattr(interrupts, "_reported", False)
+    real_step = runner.train_step
+
+    def step_that_loses_a_ctrl_c(t, step, *args):
+        record = real_step(t, step, *args)
+        if step == 1:
+            try:  # what C code that clears every error does with the KeyboardInterrupt
+                interrupts._remember_and_raise(signal.SIGINT, None)
+            except KeyboardInterrupt:
+                pass
+        return record
+
+    monkeypatch.setattr(runner, "train_step", step_that_loses_a_ctrl_c)
+    config = tmp_path / "fast.yaml"
+    config.write_text(json.dumps(FAST))
+    out = tmp_path / "run"
+    code = _main([*TRAIN, "--output", out, "--config", config])
+    assert code == 130
+    assert capsys.readouterr().err.strip() == "interrupted: rerun the same command with --resume to continue from step-000002"
+    monkeypatch.setattr(interrupts, "_requested", False)
+    monkeypatch.setattr(runner, "train_step", real_step)
+    assert _main([*TRAIN, "--output", out, "--config", config, "--resume"]) == 0
     assert json.loads((out / "melt_eval_training.json").read_text())["status"] == "finished"
 
 

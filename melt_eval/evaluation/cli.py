@@ -187,8 +187,11 @@ def register(app: typer.Typer) -> None:
                                 force=force, progress=progress, unsafe_local_exec=unsafe_local_exec, log_samples=log_samples,
                                 note=lambda line: typer.echo(line, err=True))
         except KeyboardInterrupt:
+            from melt_eval import interrupts
+
             typer.secho("interrupted: finished problems are saved; run the same command again to continue",
                         fg=typer.colors.YELLOW, err=True)
+            interrupts.handled()
             raise typer.Exit(130) from None
         _print_results(results)
 

@@ -67,10 +67,15 @@ def register(app: typer.Typer) -> None:
 
 @contextlib.contextmanager
 def one_line_interrupt(output: Path):
-    """KeyboardInterrupt -> one line saying what to run next, exit 130 (the shell's code for SIGINT)."""
+    """KeyboardInterrupt -> one line saying what to run next, exit 130 (the shell's code for SIGINT). An error
+    after Ctrl-C counts as the interrupt: a library lost the KeyboardInterrupt on its way (melt_eval/interrupts.py)."""
+    from melt_eval import interrupts
+
     try:
         yield
-    except KeyboardInterrupt:
+    except BaseException as exc:
+        if not interrupts.is_interrupt(exc):
+            raise
         main_thread = threading.current_thread() is threading.main_thread()  # signal.signal's condition
         previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if main_thread else None  # a second Ctrl-C
         try:
@@ -78,6 +83,7 @@ def one_line_interrupt(output: Path):
         finally:
             if main_thread:
                 signal.signal(signal.SIGINT, previous)
+        interrupts.handled()
         raise typer.Exit(130) from None
 
 

@@ -33,6 +33,7 @@ from pathlib import Path
 
 import torch
 
+from melt_eval import interrupts
 from melt_eval.files import DirLock
 from melt_eval.training.build import param_groups, prepare_training
 from melt_eval.training.checkpoints import load_checkpoint, write_checkpoint
@@ -140,6 +141,7 @@ def _loop(t: Trainee, output: Path, logger: Logger, step: int, tokens_seen: int,
     stopped = False
     with bar:
         while step < end_step and not stopped:
+            interrupts.check()  # a Ctrl-C a library swallowed during the last step stops the run here
             record = train_step(t, step, tokens_seen, last_good)
             step, tokens_seen = record["step"], record["tokens_seen"]
             if heldout is not None and heldout.due(step):  # every process checks alike, so all stop together
