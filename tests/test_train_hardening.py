@@ -227,6 +227,8 @@ def test_an_error_after_ctrl_c_is_the_interrupt_and_any_other_error_is_not(tmp_p
     from melt_eval import interrupts
     from melt_eval.training.cli import one_line_interrupt
 
+    monkeypatch.setattr(interrupts, "_requested", False)
+    monkeypatch.setattr(interrupts, "_reported", False)
     with pytest.raises(RecursionError):  # no Ctrl-C: the error is the error
         with one_line_interrupt(tmp_path / "run"):
             raise RecursionError("maximum recursion depth exceeded")
