@@ -20,14 +20,12 @@ import threading
 
 from melt_eval import interrupts  # signal and threading only
 
-STARTING_INTERRUPTED = "interrupted: melt-eval was starting; nothing was done\n"
-
 
 def _interrupted_while_starting(signum, frame) -> None:
     """Ctrl-C while the command modules load (seconds on a busy machine): one line, exit 130, no traceback
     (SystemExit leaves an import quietly; nothing has been done yet)."""
     interrupts.mark()  # should an import swallow the SystemExit, main() still stops before the command runs
-    sys.stderr.write(STARTING_INTERRUPTED)
+    sys.stderr.write("interrupted: melt-eval was starting; nothing was done\n")
     sys.exit(130)
 
 

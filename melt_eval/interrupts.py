@@ -27,8 +27,7 @@ _reported = False  # a command has said what it left
 
 
 def _remember_and_raise(signum, frame) -> None:
-    global _requested
-    _requested = True
+    mark()
     raise KeyboardInterrupt
 
 
