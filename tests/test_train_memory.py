@@ -130,6 +130,68 @@ def test_compiled_layer_step_keeps_the_gradients(looplm, batch):
         torch.testing.assert_close(results[1][1][name], results[0][1][name], atol=1e-6, rtol=0, msg=name)
 
 
+def test_final_mixes_differentiate_as_separate_lerps():
+    """`_MixFinals` (a chunk's 2 N T phase-1 mixes in a few multi-tensor kernels) gives each lerp's output, and
+    the gradients autograd gives lerp by lerp, each final MELT entry summing the gradients of its T mixes."""
+    from melt_eval.modeling.kv_cache import _MixFinals
+
+    torch.manual_seed(0)
+    n_layers, loops, alpha = 3, 4, 0.3
+    starts = [torch.randn(2, 1, 5, 4, dtype=torch.float64, requires_grad=True) for _ in range(2 * n_layers * loops)]
+    ends = [torch.randn(2, 1, 5, 4, dtype=torch.float64, requires_grad=True) for _ in range(2 * n_layers)]
+    owner = [2 * layer + kv for _ in range(loops) for layer in range(n_layers) for kv in (0, 1)]  # InterpolatedKV's order
+    want_out = [torch.lerp(start, ends[end], alpha) for start, end in zip(starts, owner)]
+    upstream = [torch.randn_like(out) for out in want_out]
+    want = torch.autograd.grad(want_out, starts + ends, upstream)
+    got_out = _MixFinals.apply(alpha, owner, len(starts), *starts, *ends)
+    got = torch.autograd.grad(got_out, starts + ends, upstream)
+    assert all(torch.equal(g, w) for g, w in zip(got_out, want_out))
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-12, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float64])
+def test_a_tensor_alpha_mixes_as_a_float_alpha(dtype):
+    """The compiled step's alpha is a 0-dim tensor in float32 (float64 for float64 entries); in bf16, lerp would
+    round such a weight to bf16 first. `mix` gives exactly what the float weight of the eager step gives."""
+    from melt_eval.modeling.gates import mix
+
+    torch.manual_seed(0)
+    start, end = torch.randn(64, 128, dtype=dtype), torch.randn(64, 128, dtype=dtype)
+    for alpha in (0.0, 0.3, 0.563096284866333, 0.9, 1.0):
+        weight = torch.tensor(alpha, dtype=torch.promote_types(dtype, torch.float32))
+        assert torch.equal(mix(start, end, weight), mix(start, end, alpha)), alpha
+
+
+@pytest.mark.slow
+def test_compiled_layer_step_follows_alpha_without_recompiling(looplm, batch):
+    """Phase 1 moves alpha at every step. The compiled step takes it as a tensor and mixes the chunk's entries
+    inside its kernels: a new alpha runs the graphs compiled for the first one, with the eager step's gradients."""
+    recipe = load_recipe("tiny-phase1", overrides={"chunk_size": 3, "interpolation_steps": 10, "align_beta": 0.0})
+    counts = loss_counts(batch)
+    from torch._dynamo.utils import counters
+
+    models = {}
+    for compiled in (False, True):
+        models[compiled] = MeltForCausalLM.from_looplm(looplm, gate="elementwise", seed=1).train()
+        models[compiled].gradient_checkpointing_enable()
+    models[True].model.compile_layer_step()
+    for step in (3, 6):
+        assert 0 < recipe.alpha(step) < 1
+        if step == 6:
+            graphs, recompiles = counters["stats"]["unique_graphs"], sum(counters["recompiles"].values())
+        results = []
+        for compiled, student in models.items():
+            student.zero_grad(set_to_none=True)
+            terms, _ = forward_objective(student, looplm, batch, recipe, step, **counts)
+            terms.total.backward()
+            results.append(grads(student))
+        for name in results[0]:
+            torch.testing.assert_close(results[1][name], results[0][name], atol=1e-6, rtol=0, msg=f"step {step}: {name}")
+    assert counters["stats"]["unique_graphs"] == graphs  # alpha 0.6 ran alpha 0.3's graphs
+    assert sum(counters["recompiles"].values()) == recompiles
+
+
 @pytest.mark.parametrize("whole_prompt", [False, True])
 @pytest.mark.parametrize("align_beta", [0.0, 0.1])
 @pytest.mark.parametrize("alpha", [0.0, 0.3, 1.0])

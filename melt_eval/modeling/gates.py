@@ -47,6 +47,10 @@ def mix(start: Tensor, end: Tensor, weight: Tensor | float) -> Tensor:
     lerp takes one dtype; operands of several (none in the model's own code paths) promote as the sum would."""
     if start.dtype == end.dtype and (not isinstance(weight, Tensor) or weight.dtype == start.dtype):
         return torch.lerp(start, end, weight)
+    if start.dtype == end.dtype and weight.dim() == 0:
+        # a 0-dim weight of a wider dtype (phase 1's alpha in a compiled step): lerp would first round it to
+        # start's dtype; in its own precision it gives what a Python float weight gives
+        return torch.lerp(start.to(weight.dtype), end.to(weight.dtype), weight).to(start.dtype)
     return weight * end + (1 - weight) * start
 
 

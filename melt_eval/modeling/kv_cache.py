@@ -133,9 +133,11 @@ class _PrefixAttention(torch.autograd.Function):
             out = chunk_attention(q_, k_all, v_all)
             dq, dk, dv = torch.autograd.grad(out, (q_, k_all, v_all), grad_out)
         gk, gv = store.grad_buffers(key)
-        gk[:, :, :past] += dk[:, :, :past]
-        gv[:, :, :past] += dv[:, :, :past]
-        return dq.to(q.dtype), dk[:, :, past:].to(k.dtype), dv[:, :, past:].to(v.dtype), torch.zeros(()), None, None, None
+        gk[:, :, :past].add_(dk[:, :, :past])  # (`+=` on a slice would copy the sum onto itself)
+        gv[:, :, :past].add_(dv[:, :, :past])
+        # the token needs no gradient, only its edge: the engine runs a commit's backward after every node holding
+        # an edge to it has run, whether or not the edge carried a gradient
+        return dq.to(q.dtype), dk[:, :, past:].to(k.dtype), dv[:, :, past:].to(v.dtype), None, None, None, None
 
 
 class _Commit(torch.autograd.Function):
@@ -159,11 +161,37 @@ class _Commit(torch.autograd.Function):
             if key not in store.grads:  # no later chunk read this key (a single-chunk pass)
                 grads += [None, None]
                 continue
+            # the slots are handed out, not cleared: every reader has run, and the store lives for one forward
             gk, gv = store.grads[key]
-            grads += [gk[:, :, start:end].to(ctx.dtypes[2 * i], copy=True), gv[:, :, start:end].to(ctx.dtypes[2 * i + 1], copy=True)]
-            gk[:, :, start:end] = 0
-            gv[:, :, start:end] = 0
-        return (torch.zeros(()) if ctx.needs_input_grad[0] else None, None, None, None, None, *grads)
+            grads += [gk[:, :, start:end].to(ctx.dtypes[2 * i]), gv[:, :, start:end].to(ctx.dtypes[2 * i + 1])]
+        return (None, None, None, None, None, *grads)  # the token: an edge for ordering, no gradient (`_PrefixAttention`)
+
+
+class _MixFinals(torch.autograd.Function):
+    """A chunk's final phase-1 entries, lerp(start_j, ends[owner[j]], alpha) for every j (the 2 N T mixes of
+    `InterpolatedKV`), forward and backward in a few multi-tensor kernels. Differentiated lerp by lerp, the
+    backward would take two multiplies per mix and the T - 1 additions that sum each final MELT entry's
+    gradients: several hundred kernels a chunk at the paper's depth. Here: one multiply for the starts, and for
+    the ends one multiply and T - 1 multiply-adds, each over all of them at once."""
+
+    @staticmethod
+    def forward(ctx, alpha: float, owner: list[int], n_starts: int, *tensors):
+        starts, ends = list(tensors[:n_starts]), tensors[n_starts:]
+        ctx.alpha, ctx.owner, ctx.n_ends = alpha, owner, len(ends)
+        return tuple(torch._foreach_lerp(starts, [ends[o] for o in owner], alpha))
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, *grads):
+        alpha = ctx.alpha
+        d_starts = torch._foreach_mul(list(grads), 1.0 - alpha)  # lerp's d/dstart, as autograd's formula has it
+        per_end = [[] for _ in range(ctx.n_ends)]
+        for grad, end in zip(grads, ctx.owner):
+            per_end[end].append(grad)
+        d_ends = torch._foreach_mul([g[0] for g in per_end], alpha)  # d/dend = alpha, summed over the end's mixes
+        for n in range(1, len(per_end[0])):  # every end has one mix per loop
+            torch._foreach_add_(d_ends, [g[n] for g in per_end], alpha=alpha)
+        return (None, None, None, *d_starts, *d_ends)
 
 
 class TrainingKVBuffer:
@@ -287,7 +315,8 @@ class StaticStore:
 
 # --- policies: which entries a chunk attends to at (layer, loop) -------------------------------
 #
-# `key_value(layer, loop, base, melt)` gives the store key and the chunk's current entries;
+# `key_value(layer, loop, base, melt, mixed)` gives the store key and the chunk's current entries (`mixed`: the
+# interpolated entries when the step already built them, `layer_step.attention_inputs`);
 # `final(layer, loop, base, melt)` records what the chunk leaves behind for later tokens.
 
 
@@ -304,7 +333,7 @@ class PerLoopKV:
     def past_length(self) -> int:
         return self.store.length
 
-    def key_value(self, layer, loop, base, melt):
+    def key_value(self, layer, loop, base, melt, mixed=None):
         return (layer, loop), base
 
     def record(self, layer, loop, base, melt) -> None:
@@ -333,7 +362,7 @@ class SharedKV(PerLoopKV):
         super().__init__(store)
         self.exit_loops = exit_loops
 
-    def key_value(self, layer, loop, base, melt):
+    def key_value(self, layer, loop, base, melt, mixed=None):
         return layer, melt
 
     def record(self, layer, loop, base, melt) -> None:
@@ -364,8 +393,23 @@ class InterpolatedKV(PerLoopKV):
         a = self.alpha  # alpha * melt + (1 - alpha) * base, one kernel each
         return mix(base[0], melt[0], a), mix(base[1], melt[1], a)
 
-    def key_value(self, layer, loop, base, melt):
-        return ("mix", layer, loop), self._mix(melt, base)
+    def _mix_all(self, melt_final: dict) -> dict:
+        """{("mix", layer, loop): the chunk's final MELT entry of the layer mixed with its loop-`loop` base entry},
+        each equal to `mix`'s, all 2 N T of them in one `_foreach_lerp` (`_MixFinals`). On CUDA that is one
+        multi-tensor kernel where the entries are dense, as the compiled step outputs them; the eager step's are
+        views with gaps, for which torch runs one kernel per tensor."""
+        keys, layers = list(self.base), list(melt_final)
+        starts = [e for key in keys for e in self.base[key]]
+        ends = [e for layer in layers for e in melt_final[layer]]
+        owner = [2 * layers.index(layer) + kv for layer, _ in keys for kv in (0, 1)]
+        if torch.is_grad_enabled() and any(t.requires_grad for t in starts + ends):
+            mixed = _MixFinals.apply(self.alpha, owner, len(starts), *starts, *ends)
+        else:
+            mixed = torch._foreach_lerp(starts, [ends[o] for o in owner], self.alpha)
+        return {("mix", *key): (mixed[2 * n], mixed[2 * n + 1]) for n, key in enumerate(keys)}
+
+    def key_value(self, layer, loop, base, melt, mixed=None):
+        return ("mix", layer, loop), self._mix(melt, base) if mixed is None else mixed
 
     def record(self, layer, loop, base, melt) -> None:
         self.base[(layer, loop)] = base
@@ -376,7 +420,7 @@ class InterpolatedKV(PerLoopKV):
         last = self.store.length + c >= getattr(self.store, "capacity", float("inf"))
         # the last chunk's entries are read by no later token (the store's commit drops them): its 2 N T mixes
         # would be built and thrown away
-        self.finals = {} if last else {("mix", i, t): self._mix(melt_final[i], base) for (i, t), base in self.base.items()}
+        self.finals = {} if last else self._mix_all(melt_final)
         self.base = {}
         super().advance(c)
 
@@ -400,7 +444,7 @@ class DeviceAddressedKV:
     def past_length(self) -> Tensor:
         return self.column
 
-    def key_value(self, layer, loop, base, melt):
+    def key_value(self, layer, loop, base, melt, mixed=None):
         return self.policy.key_value(layer, loop, base, melt)
 
     def record(self, layer, loop, base, melt) -> None:
@@ -426,7 +470,7 @@ class PromptPerLoopThenSharedKV:
     def past_length(self) -> int:
         return self.prompt_store.length + self.gen_store.length
 
-    def key_value(self, layer, loop, base, melt):
+    def key_value(self, layer, loop, base, melt, mixed=None):
         return (layer, loop), melt
 
     def record(self, layer, loop, base, melt) -> None:

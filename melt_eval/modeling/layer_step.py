@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import torch
 
+from melt_eval.modeling.gates import mix
+
 Tensor = torch.Tensor
 
 
@@ -27,10 +29,19 @@ def compute_dtype(x: Tensor) -> torch.dtype:
     return x.dtype
 
 
-def attention_inputs(layer, x, h_prev, cos, sin, first_loop: bool, loop: int, need_base: bool, need_melt: bool, kv_sharing):
+def attention_inputs(layer, x, h_prev, cos, sin, first_loop: bool, loop: int, need_base: bool, need_melt: bool, kv_sharing,
+                     mix_weight: Tensor | None = None, last_loop: bool = False):
     """The step before attention: a_t = input_layernorm(x); q_t = RoPE(q_proj(a_t)); the base
     entries from a_t (Ouro's per-loop cache) and/or the MELT state and its entries:
-    h_1 = a_1, h_t = z_t * h_{t-1} + (1 - z_t) * a_t (docs/method.md#gates)."""
+    h_1 = a_1, h_t = z_t * h_{t-1} + (1 - z_t) * a_t (docs/method.md#gates).
+
+    `mix_weight` (phase 1's alpha, `InterpolatedKV.alpha`: a float eager, a 0-dim tensor compiled, so that its ramp
+    from step to step does not recompile the step): also the interpolated entries alpha * KV_MELT + (1 - alpha) *
+    KV_base the chunk attends with, here so that a compiled step fuses the two lerps into its own kernels.
+
+    Outputs nobody reads are None, since a compiled backward builds a zero gradient for each: the state h after
+    the last loop (`last_loop`), and when interpolating, MELT's entries before the last loop (only the final ones
+    are kept; the step's own are read through the mix)."""
     a = layer.input_layernorm(x)
     h, z = None, None
     if need_melt:
@@ -38,12 +49,24 @@ def attention_inputs(layer, x, h_prev, cos, sin, first_loop: bool, loop: int, ne
     q, entries = layer.self_attn.queries_and_keys(a, ([a] if need_base else []) + ([h] if need_melt else []), cos, sin)
     base = entries.pop(0) if need_base else None
     melt = entries.pop(0) if need_melt else None
-    return q, base, melt, h, z
+    mixed = None if mix_weight is None else (mix(base[0], melt[0], mix_weight), mix(base[1], melt[1], mix_weight))
+    if torch.compiler.is_compiling():
+        # the compiled backward copies every incoming gradient whose strides differ from its output's, and the
+        # entries' gradients come back contiguous; in the compiled kernels these layouts cost no extra pass
+        base, melt = (None if e is None else tuple(t.contiguous() for t in e) for e in (base, melt))
+    if last_loop:
+        h = None
+    elif mix_weight is not None:
+        melt = None
+    # z is read for its statistics only: without a gradient, the backward needs no zeros standing in for one
+    return q, base, melt, h, z.detach() if isinstance(z, Tensor) else z, mixed
 
 
-def attention_residual_and_mlp(layer, x, heads):
-    """The step after attention: x + norm(o_proj(heads)), then the sandwich-norm MLP residual."""
+def attention_residual_and_mlp(layer, x, heads, keep_output: bool = True):
+    """The step after attention: x + norm(o_proj(heads)), then the sandwich-norm MLP residual. Returns the new x
+    and, with keep_output, the attention output o (the align loss reads it; an output nobody reads would get a
+    zero gradient built for it in a compiled backward)."""
     o = layer.self_attn.output(heads)
     x = x + layer.input_layernorm_2(o)
     x = x + layer.post_attention_layernorm_2(layer.mlp(layer.post_attention_layernorm(x)))
-    return x, o
+    return x, o if keep_output else None

@@ -184,8 +184,11 @@ class LoopLMAttention(nn.Module):
         layout, so `output` reshapes it without a copy."""
         b, c, _ = a.shape
         q = self.q_proj(a).view(b, c, self.num_heads, self.head_dim)
-        ks = [self.k_proj(h).view(b, c, self.num_kv_heads, self.head_dim) for h in kv_inputs]
-        vs = [self._heads(self.v_proj(h), self.num_kv_heads) for h in kv_inputs]
+        # several inputs (phase 1: a_t for the base entries, h_t for MELT's) go through k_proj and v_proj as one
+        # [B, n c, d] product each: half the matrix products, and one gradient per weight instead of n
+        h = kv_inputs[0] if len(kv_inputs) == 1 else torch.cat(kv_inputs, dim=1)
+        ks = self.k_proj(h).view(b, -1, self.num_kv_heads, self.head_dim).split(c, dim=1)
+        vs = [self._heads(v, self.num_kv_heads) for v in self.v_proj(h).split(c, dim=1)]
         rotated = apply_rope(torch.cat([q, *ks], dim=2), cos.transpose(1, 2), sin.transpose(1, 2))  # [B, c, H + n KVH, hd]
         q, *ks = (t.transpose(1, 2) for t in rotated.split([q.shape[2]] + [k.shape[2] for k in ks], dim=2))
         return q, list(zip(ks, vs))
@@ -252,6 +255,7 @@ class LoopLMModel(nn.Module):
         key_mask: Tensor | None = None,
         kv_sharing: str | None = None,
         collect: bool = False,
+        collect_attn: bool | None = None,
     ) -> tuple[Tensor, dict]:
         """Run all T loops over one chunk of c tokens, attending through `policy`.
 
@@ -259,7 +263,7 @@ class LoopLMModel(nn.Module):
         holds a real token (generation over left-padded rows; None = no padding, and the
         chunk attends bottom-right causally without a mask tensor). Returns the last loop's
         normed hidden state [B, c, d] and, with collect=True, per-loop hidden states,
-        attention outputs and gates.
+        attention outputs (unless collect_attn=False) and gates.
         """
         cfg = self.config
         x = self.embed_tokens(input_ids)
@@ -270,36 +274,43 @@ class LoopLMModel(nn.Module):
         states: list[Tensor | None] = [None] * N  # per-layer latent state h (shared-KV variants)
         checkpointed = self.gradient_checkpointing and torch.is_grad_enabled()
         loop_hidden, attn_outputs, gates = [], [[] for _ in range(N)], [[] for _ in range(N)]
+        keep_o = collect if collect_attn is None else collect_attn  # else the step does not output o at all
+        mix_weight = getattr(policy, "alpha", None)  # phase 1: the chunk's entries are interpolated inside the step
+        if mix_weight is not None and self.attention_inputs is not attention_inputs:
+            # compiled: alpha as a tensor, or each step's new alpha would compile the step again
+            mix_weight = torch.tensor(mix_weight, dtype=torch.promote_types(compute_dtype(x), torch.float32), device=x.device)
         for t in range(T):
             for i, layer in enumerate(self.layers):
-                args = (layer, i, t, policy, past, policy.store.token if hasattr(policy, "store") else None, mask, kv_sharing)
+                args = (layer, i, t, policy, past, policy.store.token if hasattr(policy, "store") else None, mask, kv_sharing,
+                        mix_weight, keep_o)
                 if checkpointed:
                     x, states[i], o, z, base, melt = checkpoint(self._layer_step, x, states[i], cos, sin, *args, use_reentrant=False)
                 else:
                     x, states[i], o, z, base, melt = self._layer_step(x, states[i], cos, sin, *args)
                 policy.record(i, t, base, melt)
-                if collect:
+                if keep_o:
                     attn_outputs[i].append(o)
-                    if policy.needs_melt:
-                        gates[i].append(z)
+                if collect and policy.needs_melt:
+                    gates[i].append(z)
             x = self.norm(x)  # the next loop's input, and this loop's prediction state
             if collect:
                 loop_hidden.append(x)
         policy.advance(input_ids.shape[1])
         return x, {"loop_hidden": loop_hidden, "attn_outputs": attn_outputs, "gates": gates}
 
-    def _layer_step(self, x, h_prev, cos, sin, layer, i, t, policy, past, token, mask, kv_sharing):
+    def _layer_step(self, x, h_prev, cos, sin, layer, i, t, policy, past, token, mask, kv_sharing, mix_weight, keep_o):
         """One layer at loop t over the chunk: a pure function of (x, h_{t-1}), so activation
         checkpointing can re-run it; its only side effect is rewriting the chunk's own slots.
 
         The parts before and after the attention are pure tensor code (`attention_inputs`,
         `attention_residual_and_mlp`), which `compile_layer_step` hands to torch.compile; the
         attention itself reads and writes the KV store, so it stays eager between them."""
-        q, base, melt, h, z = self.attention_inputs(
-            layer, x, h_prev, cos, sin, t == 0, t + 1, policy.needs_base, policy.needs_melt, kv_sharing
+        q, base, melt, h, z, mixed = self.attention_inputs(
+            layer, x, h_prev, cos, sin, t == 0, t + 1, policy.needs_base, policy.needs_melt, kv_sharing, mix_weight,
+            t == self.config.total_ut_steps - 1,
         )
-        key, kv = policy.key_value(i, t, base, melt)
-        x, o = self.attention_residual_and_mlp(layer, x, policy.attend(key, q, kv, past, token, mask))
+        key, kv = policy.key_value(i, t, base, melt, mixed)
+        x, o = self.attention_residual_and_mlp(layer, x, policy.attend(key, q, kv, past, token, mask), keep_o)
         return x, h, o, z, base, melt
 
     def compile_layer_step(self, **compile_kwargs) -> None:
@@ -454,7 +465,8 @@ class LoopLMForCausalLM(LoopLMPreTrainedModel):
             chunks = token_step.token_steps(self.model, input_ids, position_ids, first, policy)
         else:
             chunks = (self.model.run_chunk(input_ids[:, start:end], position_ids[:, start:end], policy,
-                                           kv_sharing=kv_sharing, collect=output_loop_states or collect_attn)
+                                           kv_sharing=kv_sharing, collect=output_loop_states or collect_attn,
+                                           collect_attn=collect_attn)
                       for start, end in zip(starts, starts[1:] + [L]))
         try:
             for x, extra in chunks:
