@@ -329,6 +329,9 @@ def count_steps(layers: int, compiled: bool, fused_norms: bool = False) -> dict:
     """Op counts of one step at each number of chunks, after a warm-up step (compilation, optimizer state)."""
     student, teacher, recipe = build(layers)
     if compiled:
+        # dynamo caches graphs per function, across every model of the process: graphs another model compiled
+        # earlier (a test before this one) count toward its recompile limit, past which it runs the step eagerly
+        torch._dynamo.reset()
         student.model.compile_layer_step()
     optimizer = make_optimizer(student, recipe)
     allocate_optimizer_state(optimizer)

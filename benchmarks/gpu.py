@@ -285,8 +285,41 @@ class Trainer:
         return None
 
 
+def prefix_attention_check(device: torch.device) -> dict:
+    """`_PrefixAttention`'s saved-log-sum-exp backward against its recomputing one, on this device, bf16
+    heads of 128 after a 512-token prefix: which kernel ran, and whether output and gradients are the same
+    bits (they should be: the same ops SDPA's autograd runs). Its CUDA branch is proved on the CPU only in
+    its arguments (tests/test_train_memory.py); this is where its numbers are checked."""
+    from melt_eval.modeling import kv_cache
+
+    def run(c: int, saved_lse: bool):
+        torch.manual_seed(0)
+        past, store = 512, kv_cache.TrainingKVBuffer(capacity=512 + c)
+        store.write("k", *(torch.randn(1, 4, past, 128, device=device, dtype=torch.bfloat16) for _ in range(2)), 0)
+        q, k, v = (torch.randn(1, 4, c, 128, device=device, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+        real = kv_cache._flash_inputs
+        kv_cache._flash_inputs = real if saved_lse else (lambda q, k, v: None)
+        try:
+            kernel = "flash, log-sum-exp saved" if real(q.detach(), k.detach(), v.detach()) is not None else "recomputed"
+            out = kv_cache._PrefixAttention.apply(q, k, v, torch.zeros((), device=device), store, "k", past)
+            out.backward(torch.randn_like(out))
+        finally:
+            kv_cache._flash_inputs = real
+        return kernel, [out.detach(), q.grad, k.grad, v.grad, *store.grads["k"]]
+
+    result = {}
+    for c in (1, 64):
+        kernel, got = run(c, True)
+        _, want = run(c, False)
+        result[f"c={c}"] = {"kernel": kernel, "same_bits": all(torch.equal(g, w) for g, w in zip(got, want)),
+                            "max_abs_diff": max(float((g.float() - w.float()).abs().max()) for g, w in zip(got, want))}
+    return result
+
+
 def phase1(report: Report, measure: str, shapes: Shapes, device: torch.device, clock: Clock, compiled: bool) -> None:
     trainer = Trainer(shapes, device, clock)
+    if not compiled:
+        report.put(measure, prefix_attention_check=prefix_attention_check(device))
     L, C = shapes.seq_len, shapes.chunk
     if compiled:
         if shapes.compile_backend == "inductor":

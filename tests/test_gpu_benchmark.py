@@ -43,6 +43,9 @@ def test_every_measure_runs_at_tiny_shapes_and_reports_its_figures(tmp_path):
             assert row["tokens_per_s"] > 0 and row["loss"] > 0 and row["timed_steps"] >= 2
         assert p1["chunked"]["chunks"] > 1 and p1["parallel"]["chunks"] == 1
         assert p1["chunked_vs_parallel"] > 0 and p1["vs_paper_tokens_per_s_per_gpu"] > 0
+    # the saved-log-sum-exp attention backward against the recomputing one, on the device measured
+    assert m["phase1_step"]["prefix_attention_check"] == {
+        f"c={c}": {"kernel": "flash, log-sum-exp saved", "same_bits": True, "max_abs_diff": 0.0} for c in (1, 64)}
     dec = m["decode"]
     assert {(r["model"], r["context"]) for r in dec["rows"]} == {(n, c) for n in ("ouro", "melt") for c in (128, 512)}
     for r in dec["rows"]:

@@ -150,6 +150,73 @@ def test_final_mixes_differentiate_as_separate_lerps():
         torch.testing.assert_close(g, w, rtol=1e-12, atol=0)
 
 
+@pytest.mark.parametrize("autocast", [False, True])
+@pytest.mark.parametrize("c", [1, 3])
+def test_prefix_attention_backward_reuses_the_forwards_log_sum_exp(monkeypatch, c, autocast):
+    """On the CPU, `_PrefixAttention` keeps the flash kernel's log-sum-exp: its backward runs no attention
+    forward, and its gradients (the chunk's and the prefix's) are the bits of the recomputing backward."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from melt_eval.modeling import kv_cache
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(func.__name__)
+            return func(*args, **(kwargs or {}))
+
+    def run():
+        torch.manual_seed(0)
+        past, store = 5, kv_cache.TrainingKVBuffer(capacity=5 + c)
+        store.write("k", torch.randn(2, 2, past, 16), torch.randn(2, 2, past, 16), 0)
+        q, k, v = (torch.randn(2, 2, c, 16, requires_grad=True) for _ in range(3))
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            out = kv_cache._PrefixAttention.apply(q, k, v, torch.zeros(()), store, "k", past)
+        ops = Ops()
+        with ops:
+            out.backward(torch.randn_like(out))
+        return out, [q.grad, k.grad, v.grad, *store.grads["k"]], ops.names
+
+    out, grads, ops = run()
+    assert not any(name.startswith("_scaled_dot_product_flash_attention_for_cpu.") for name in ops), ops
+    assert any(name.startswith("_scaled_dot_product_flash_attention_for_cpu_backward") for name in ops)
+    monkeypatch.setattr(kv_cache, "_flash_inputs", lambda q, k, v: None)  # the recomputing backward
+    want_out, want, want_ops = run()
+    assert any(name.startswith("_scaled_dot_product_flash_attention_for_cpu.") for name in want_ops)
+    assert torch.equal(out, want_out)
+    for g, w in zip(grads, want):
+        assert g.dtype == w.dtype and torch.equal(g, w)
+
+
+@pytest.mark.parametrize("c", [1, 3])
+def test_prefix_attention_calls_cudas_flash_kernels_as_sdpa_does(monkeypatch, c):
+    """The CUDA branch's kernel calls, run on the meta device (no GPU here; a fake CUDA tensor cannot even be
+    copied into without CUDA): the flash forward and its backward take the arguments their schemas ask for,
+    in SDPA's order, and give gradients of the right shapes and dtypes without recomputing the attention.
+    Which kernel a GPU picks, and the numbers, are the GPU's to check (benchmarks/gpu.py)."""
+    from melt_eval.modeling import kv_cache
+
+    monkeypatch.setattr(kv_cache, "_flash_inputs", lambda q, k, v: (q, k, v, None))  # as a GPU's flash takes them
+    calls = []
+    for name in ("_flash_forward", "_flash_backward"):
+        real = getattr(kv_cache, name)
+        monkeypatch.setattr(kv_cache, name, lambda *a, _real=real, _name=name: calls.append(_name) or _real(*a))
+    monkeypatch.setattr(kv_cache, "chunk_attention", lambda *a, **k: pytest.fail("the attention was recomputed"))
+    past, store = 5, kv_cache.TrainingKVBuffer(capacity=5 + c)
+    store.write("k", *(torch.empty(2, 2, past, 64, device="meta", dtype=torch.bfloat16) for _ in range(2)), 0)
+    q, k, v = (torch.empty(2, 2, c, 64, device="meta", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    out = kv_cache._PrefixAttention.apply(q, k, v, torch.zeros((), device="meta"), store, "k", past)
+    out.backward(torch.empty_like(out))
+    assert out.shape == q.shape and out.dtype == torch.bfloat16
+    for t in (q, k, v):
+        assert t.grad.shape == t.shape and t.grad.dtype == torch.bfloat16
+    assert store.grads["k"][0].shape == (2, 2, past + c, 64)
+    assert calls == ["_flash_forward", "_flash_backward"]
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float64])
 def test_a_tensor_alpha_mixes_as_a_float_alpha(dtype):
     """The compiled step's alpha is a 0-dim tensor in float32 (float64 for float64 entries); in bf16, lerp would

@@ -35,9 +35,8 @@ from typing import Hashable
 import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
+from torch.nn.attention import SDPBackend
 from torch.nn.attention.bias import causal_lower_right
-
-from melt_eval.modeling.gates import mix
 
 Tensor = torch.Tensor
 
@@ -96,14 +95,84 @@ def _once(ctx, what: str) -> None:
     ctx.backward_done = True
 
 
+def _autocast_cast(tensors, device_type: str):
+    """What autocast does to the inputs of an op on its lower-precision list (SDPA is on it; the kernels that
+    `_PrefixAttention` calls directly are not)."""
+    if not torch.is_autocast_enabled(device_type):
+        return tensors
+    low = torch.get_autocast_dtype(device_type)
+    return tuple(t.to(low) if t.is_floating_point() and t.dtype != torch.float64 else t for t in tensors)
+
+
+def _flash_inputs(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor | None] | None:
+    """q, k, v (and on the CPU the mask) exactly as `chunk_attention` hands them to a flash kernel for a chunk
+    of c queries after a prefix, or None where it would run another kernel (GQA; dtypes or sizes flash does
+    not take; backends switched off). `_PrefixAttention` calls that kernel directly to keep its log-sum-exp."""
+    if q.shape[1] != k.shape[1] or q.device.type not in ("cpu", "cuda"):
+        return None
+    c, s = q.shape[2], k.shape[2]
+    if q.device.type == "cpu":  # SDPA with the additive mask (or none at c = 1), under autocast
+        q, k, v = _autocast_cast((q, k, v), "cpu")
+        if not _cpu_sdpa_takes_flash(q.dtype, k.dtype, v.dtype, q.shape[-1], c > 1, torch.backends.cuda.flash_sdp_enabled()):
+            return None
+        return q, k, v, None if c == 1 else lower_right_mask(c, s, q.dtype, q.device, torch.is_inference_mode_enabled())
+    if q.shape[-1] % 8:  # torch pads such heads for flash; not worth copying here
+        return None
+    if c == 1:  # plain SDPA, under autocast
+        q, k, v = _autocast_cast((q, k, v), "cuda")
+        return (q, k, v, None) if torch._fused_sdp_choice(q, k, v, None, 0.0, False) == int(SDPBackend.FLASH_ATTENTION) else None
+    # `causal_lower_right`: its dispatch calls the flash op itself (autocast never sees it) when flash can run
+    if not torch.backends.cuda.can_use_flash_attention(torch.backends.cuda.SDPAParams(q, k, v, None, 0.0, False, False)):
+        return None
+    return q, k, v, None
+
+
+@functools.lru_cache(maxsize=16)
+def _cpu_sdpa_takes_flash(q_dtype, k_dtype, v_dtype, head_dim: int, masked: bool, flash_enabled: bool) -> bool:
+    """SDPA's own kernel choice on the CPU, asked once per configuration with stand-ins of the same kind (the
+    choice reads dtypes, head size, the mask's presence and the backends enabled, not values or lengths)."""
+    q = torch.empty(1, 1, 2, head_dim, dtype=q_dtype)
+    k, v = torch.empty(1, 1, 3, head_dim, dtype=k_dtype), torch.empty(1, 1, 3, head_dim, dtype=v_dtype)
+    mask = torch.zeros(2, 3, dtype=q_dtype) if masked else None
+    return torch._fused_sdp_choice(q, k, v, mask, 0.0, False) == int(SDPBackend.FLASH_ATTENTION)
+
+
+def _flash_forward(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> tuple[Tensor, tuple]:
+    """The flash kernel's output and what its backward needs (the op SDPA's autograd would save)."""
+    if q.device.type == "cpu":
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, attn_mask=mask)
+        return out, (out, lse, mask)
+    # is_causal on this op aligns bottom-right when c < S, as `causal_lower_right` relies on
+    is_causal = q.shape[2] > 1
+    out, lse, cum_q, cum_k, max_q, max_k, seed, offset, _ = torch.ops.aten._scaled_dot_product_flash_attention(
+        q, k, v, 0.0, is_causal, False)
+    return out, (out, lse, cum_q, cum_k, max_q, max_k, is_causal, seed, offset)
+
+
+def _flash_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, saved: tuple) -> tuple[Tensor, Tensor, Tensor]:
+    if q.device.type == "cpu":
+        out, lse, mask = saved
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            grad_out, q, k, v, out, lse, 0.0, False, attn_mask=mask)
+    out, lse, cum_q, cum_k, max_q, max_k, is_causal, seed, offset = saved
+    return torch.ops.aten._scaled_dot_product_flash_attention_backward(
+        grad_out, q, k, v, out, lse, cum_q, cum_k, max_q, max_k, 0.0, is_causal, seed, offset)
+
+
+_SAVED = object()  # marks the saved tensors' places among a flash kernel's backward arguments
+
+
 class _PrefixAttention(torch.autograd.Function):
     """A chunk's attention over the stored prefix (read in place) and its own k, v.
 
-    Saves only the chunk's q, k, v. The backward writes k, v back into the chunk's own slots (later loops
-    and the commit overwrote them; every later chunk, the only readers of these slots, has finished its
-    backward by now), so the attention's keys are again the buffer's first past + c slots, read in place
-    without concatenating the prefix; it recomputes the attention under the forward's autocast state (as
-    `torch.amp.custom_fwd`/`custom_bwd` do, for whichever device the chunk runs on), and adds the prefix's
+    Saves the chunk's q, k, v and, where SDPA would run a flash kernel, that kernel's output and
+    log-sum-exp. The backward writes k, v back into the chunk's own slots (later loops and the commit
+    overwrote them; every later chunk, the only readers of these slots, has finished its backward by now),
+    so the attention's keys are again the buffer's first past + c slots, read in place without
+    concatenating the prefix. With the log-sum-exp saved it calls the kernel's backward, the op SDPA's own
+    autograd calls, so the gradients are the same bits without running the attention again; otherwise (GQA,
+    the memory-efficient or math kernels) it recomputes the attention under the forward's autocast state
+    (as `torch.amp.custom_fwd`/`custom_bwd` do) and differentiates that. Either way it adds the prefix's
     gradient into the store's fp32 gradient buffer (the earlier chunks' `_Commit` backward collects it).
     """
 
@@ -111,33 +180,51 @@ class _PrefixAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, token, store, key, past):
         kb, vb = store.write(key, k, v, past)
         end = past + k.shape[2]
-        ctx.save_for_backward(q, k, v)
         ctx.store, ctx.key, ctx.past = store, key, past
-        ctx.autocast = _autocast_state(q.device.type)
-        return chunk_attention(q, kb[:, :, :end], vb[:, :, :end])
+        ctx.dtypes = q.dtype, k.dtype, v.dtype
+        flash = _flash_inputs(q, kb[:, :, :end], vb[:, :, :end])
+        if flash is None:
+            ctx.flash = None
+            ctx.save_for_backward(q, k, v)
+            ctx.autocast = _autocast_state(q.device.type)
+            return chunk_attention(q, kb[:, :, :end], vb[:, :, :end])
+        q_, k_all, v_all, mask = flash
+        out, kept = _flash_forward(q_, k_all, v_all, mask)
+        ctx.flash = [_SAVED if isinstance(t, Tensor) else t for t in kept]  # the non-tensors, in place
+        ctx.save_for_backward(q_, k, v, *(t for t in kept if isinstance(t, Tensor)))
+        return out
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_out):
         _once(ctx, "attention over the prefix")
-        q, k, v = ctx.saved_tensors
         store, key, past = ctx.store, ctx.key, ctx.past
+        saved = ctx.saved_tensors  # once: under checkpointing each read unpacks (and a second raises)
+        q, k, v = saved[:3]
         kb, vb = store.write(key, k.detach(), v.detach(), past)
         end = past + k.shape[2]
-        device_type, enabled, dtype = ctx.autocast
-        amp = torch.autocast(device_type, enabled=enabled, dtype=dtype) if dtype is not None else contextlib.nullcontext()
-        with torch.enable_grad(), amp:
-            q_ = q.detach().requires_grad_()
-            k_all = kb[:, :, :end].detach().requires_grad_()  # views of the buffer, no copy
-            v_all = vb[:, :, :end].detach().requires_grad_()
-            out = chunk_attention(q_, k_all, v_all)
-            dq, dk, dv = torch.autograd.grad(out, (q_, k_all, v_all), grad_out)
+        if ctx.flash is not None:
+            tensors = iter(saved[3:])
+            kept = tuple(next(tensors) if t is _SAVED else t for t in ctx.flash)
+            # the kernel's q dtype: autocast cast the keys so in the forward
+            k_all, v_all = kb[:, :, :end].to(q.dtype), vb[:, :, :end].to(q.dtype)
+            dq, dk, dv = _flash_backward(grad_out, q, k_all, v_all, kept)
+        else:
+            device_type, enabled, dtype = ctx.autocast
+            amp = torch.autocast(device_type, enabled=enabled, dtype=dtype) if dtype is not None else contextlib.nullcontext()
+            with torch.enable_grad(), amp:
+                q_ = q.detach().requires_grad_()
+                k_all = kb[:, :, :end].detach().requires_grad_()  # views of the buffer, no copy
+                v_all = vb[:, :, :end].detach().requires_grad_()
+                out = chunk_attention(q_, k_all, v_all)
+                dq, dk, dv = torch.autograd.grad(out, (q_, k_all, v_all), grad_out)
         gk, gv = store.grad_buffers(key)
         gk[:, :, :past].add_(dk[:, :, :past])  # (`+=` on a slice would copy the sum onto itself)
         gv[:, :, :past].add_(dv[:, :, :past])
         # the token needs no gradient, only its edge: the engine runs a commit's backward after every node holding
         # an edge to it has run, whether or not the edge carried a gradient
-        return dq.to(q.dtype), dk[:, :, past:].to(k.dtype), dv[:, :, past:].to(v.dtype), None, None, None, None
+        q_dtype, k_dtype, v_dtype = ctx.dtypes
+        return dq.to(q_dtype), dk[:, :, past:].to(k_dtype), dv[:, :, past:].to(v_dtype), None, None, None, None
 
 
 class _Commit(torch.autograd.Function):
@@ -389,13 +476,9 @@ class InterpolatedKV(PerLoopKV):
         self.alpha = alpha
         self.base: dict = {}
 
-    def _mix(self, melt, base):
-        a = self.alpha  # alpha * melt + (1 - alpha) * base, one kernel each
-        return mix(base[0], melt[0], a), mix(base[1], melt[1], a)
-
     def _mix_all(self, melt_final: dict) -> dict:
         """{("mix", layer, loop): the chunk's final MELT entry of the layer mixed with its loop-`loop` base entry},
-        each equal to `mix`'s, all 2 N T of them in one `_foreach_lerp` (`_MixFinals`). On CUDA that is one
+        each equal to `gates.mix`'s, all 2 N T of them in one `_foreach_lerp` (`_MixFinals`). On CUDA that is one
         multi-tensor kernel where the entries are dense, as the compiled step outputs them; the eager step's are
         views with gaps, for which torch runs one kernel per tensor."""
         keys, layers = list(self.base), list(melt_final)
@@ -409,7 +492,9 @@ class InterpolatedKV(PerLoopKV):
         return {("mix", *key): (mixed[2 * n], mixed[2 * n + 1]) for n, key in enumerate(keys)}
 
     def key_value(self, layer, loop, base, melt, mixed=None):
-        return ("mix", layer, loop), self._mix(melt, base) if mixed is None else mixed
+        if mixed is None:  # the layer step mixes the chunk's entries itself (`attention_inputs`, `mix_weight`)
+            raise ValueError("InterpolatedKV: the chunk's entries come mixed from the layer step")
+        return ("mix", layer, loop), mixed
 
     def record(self, layer, loop, base, melt) -> None:
         self.base[(layer, loop)] = base

@@ -245,6 +245,7 @@ class LoopLMModel(nn.Module):
         self.gradient_checkpointing = False  # re-run each (layer, loop) step in backward
         self.token_step = None  # compiled `token_step.token_chunk`, set by compile_token_step
         self.attention_inputs, self.attention_residual_and_mlp = attention_inputs, attention_residual_and_mlp
+        self.layer_step_compiled = False
 
     def run_chunk(
         self,
@@ -276,7 +277,7 @@ class LoopLMModel(nn.Module):
         loop_hidden, attn_outputs, gates = [], [[] for _ in range(N)], [[] for _ in range(N)]
         keep_o = collect if collect_attn is None else collect_attn  # else the step does not output o at all
         mix_weight = getattr(policy, "alpha", None)  # phase 1: the chunk's entries are interpolated inside the step
-        if mix_weight is not None and self.attention_inputs is not attention_inputs:
+        if mix_weight is not None and self.layer_step_compiled:
             # compiled: alpha as a tensor, or each step's new alpha would compile the step again
             mix_weight = torch.tensor(mix_weight, dtype=torch.promote_types(compute_dtype(x), torch.float32), device=x.device)
         for t in range(T):
@@ -322,6 +323,7 @@ class LoopLMModel(nn.Module):
         compile_kwargs.setdefault("dynamic", False)
         self.attention_inputs = torch.compile(attention_inputs, **compile_kwargs)
         self.attention_residual_and_mlp = torch.compile(attention_residual_and_mlp, **compile_kwargs)
+        self.layer_step_compiled = True
 
     def compile_token_step(self, **compile_kwargs) -> None:
         """Train MELT at chunk 1 with one torch.compile'd function per token (`token_step.py`): every loop
