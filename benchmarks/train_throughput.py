@@ -132,13 +132,14 @@ def main(argv=None) -> dict:
         variants.append((True, compiled))
     for is_compiled, model in variants:
         for c in chunks:
-            r = Recipe(**{**base.to_dict(), "chunk_size": c})
-            rows.append({"model": "melt", "chunk_size": c, "alpha": 1.0, "compiled": is_compiled,
-                         **measure(model, r, batch, steps, 0, device)})
-            if args.interp:
-                ri = Recipe(**{**base.to_dict(), "chunk_size": c, "interpolation_steps": 2})
-                rows.append({"model": "melt", "chunk_size": c, "alpha": 0.5, "compiled": is_compiled,
-                             **measure(model, ri, batch, steps, 1, device)})
+            for alpha, step_index in [(1.0, 0)] + ([(0.5, 1)] if args.interp else []):
+                if is_compiled:
+                    # each row compiles its own graphs in its warm-up step; dynamo's cache is per function across
+                    # the rows, and past its recompile limit it would run the later rows' steps eagerly
+                    torch._dynamo.reset()
+                r = Recipe(**{**base.to_dict(), "chunk_size": c, "interpolation_steps": 0 if alpha == 1.0 else 2})
+                rows.append({"model": "melt", "chunk_size": c, "alpha": alpha, "compiled": is_compiled,
+                             **measure(model, r, batch, steps, step_index, device)})
     full = next(r for r in rows if r["model"] == "melt" and r["chunk_size"] == L and r["alpha"] == 1.0 and not r["compiled"])
     for r in rows:
         r["vs_parallel"] = r["tokens_per_s"] / full["tokens_per_s"]
