@@ -117,3 +117,25 @@ def test_fsdp_is_named_only_and_says_why_it_does_not_run_on_the_cpu(tmp_path):
     fsdp = doc["measures"]["fsdp"]
     assert fsdp["status"] == "skipped" and "GPUs only" in fsdp["reason"], fsdp
     assert all(m["status"] == "not run" for name, m in doc["measures"].items() if name != "fsdp")
+
+
+def test_a_failed_prefix_attention_check_times_the_step_with_the_recomputing_backward(monkeypatch):
+    """A GPU runs the saved-log-sum-exp branch for the first time: if its check fails, the phase-1 measure still
+    gives its figures, timed with the recomputing backward, and says so."""
+    sys.path.insert(0, str(SCRIPT.parent))
+    import gpu
+
+    from melt_eval.modeling import kv_cache
+
+    def failing(*args):
+        raise RuntimeError("flash backward: wrong arguments (simulated)")
+
+    monkeypatch.setattr(kv_cache, "_flash_backward", failing)
+    monkeypatch.setattr(kv_cache, "_flash_inputs", kv_cache._flash_inputs)  # put back after the measure replaces it
+    device = torch.device("cpu")
+    report = gpu.Report(None, {})
+    gpu.phase1(report, "phase1_step", gpu.QUICK, device, gpu.Clock(device, 300), compiled=False)
+    m = report.doc["measures"]["phase1_step"]
+    assert m["prefix_attention_check"]["c=1"]["error"] == "RuntimeError: flash backward: wrong arguments (simulated)"
+    assert m["prefix_attention"] == "recomputed in the backward (the check failed)"
+    assert m["chunked"]["tokens_per_s"] > 0 and m["chunked"]["loss"] > 0
