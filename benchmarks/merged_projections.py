@@ -47,18 +47,22 @@ def _time(fn, repeats: int) -> float:
 
 
 def projection_step(layer, rows: int, interp: bool, merged: bool, generator: torch.Generator):
-    """A closure running one (layer, loop) step's projections forward and backward on `rows` tokens."""
+    """A closure running one (layer, loop) step's projections forward and backward on `rows` tokens. The model
+    stores k|v and gate|up merged (`LoopLMAttention.kv_proj`, `LoopLMMLP.gate_up_proj`); the separate form
+    is their halves, as separate `nn.Linear`s held them before."""
     attn, mlp = layer.self_attn, layer.mlp
-    d = attn.q_proj.in_features
+    q_w = attn.q_proj.weight.detach()
+    k_w, v_w = attn.kv_proj.weight.detach().chunk(2)
+    gate_w, up_w = mlp.gate_up_proj.weight.detach().chunk(2)
+    d = q_w.shape[1]
     a, h, m = (torch.randn(rows, d, generator=generator, requires_grad=True) for _ in range(3))
     if merged:
-        groups = [(a, [attn.q_proj, attn.k_proj, attn.v_proj] if interp else [attn.q_proj]),
-                  (h, [attn.k_proj, attn.v_proj]), (m, [mlp.gate_proj, mlp.up_proj])]
-        weights = [(x, torch.cat([p.weight.detach() for p in ps]).requires_grad_()) for x, ps in groups]
+        groups = [(a, [q_w, k_w, v_w] if interp else [q_w]), (h, [k_w, v_w]), (m, [gate_w, up_w])]
+        weights = [(x, torch.cat(ws).requires_grad_()) for x, ws in groups]
     else:
-        mods = [(a, attn.q_proj)] + ([(a, attn.k_proj), (a, attn.v_proj)] if interp else [])
-        mods += [(h, attn.k_proj), (h, attn.v_proj), (m, mlp.gate_proj), (m, mlp.up_proj)]
-        weights = [(x, p.weight.detach().clone().requires_grad_()) for x, p in mods]
+        mods = [(a, q_w)] + ([(a, k_w), (a, v_w)] if interp else [])
+        mods += [(h, k_w), (h, v_w), (m, gate_w), (m, up_w)]
+        weights = [(x, w.clone().requires_grad_()) for x, w in mods]
     grads = [torch.randn(rows, w.shape[0], generator=generator) for _, w in weights]
 
     def step():

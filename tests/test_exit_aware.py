@@ -124,7 +124,7 @@ def test_the_objective_at_exit_probability_zero_is_todays(pair, training_batch, 
     assert abs(stopped.total.item() - today.total.item()) > 1e-4
     stopped.total.backward()
     grads = {name: p.grad for name, p in melt.named_parameters() if p.grad is not None}
-    assert any(".melt_gate." in name for name in grads) and "model.layers.0.self_attn.k_proj.weight" in grads
+    assert any(".melt_gate." in name for name in grads) and "model.layers.0.self_attn.kv_proj.weight" in grads
     assert all(torch.isfinite(g).all() for g in grads.values())
     melt.zero_grad(set_to_none=True)
 

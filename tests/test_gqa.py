@@ -50,9 +50,9 @@ def test_each_key_value_head_is_the_mean_of_its_group(looplm, K):
     hd, group = looplm.config.head_dim, HEADS // K
     h = torch.randn(1, 3, looplm.config.hidden_size, dtype=torch.float64)
     cos, sin = looplm.model.rotary_emb(torch.arange(3)[None], torch.float64)
-    for proj in ("k_proj", "v_proj"):
-        w = getattr(looplm.model.layers[1].self_attn, proj).weight  # [HEADS * hd, d]
-        pooled = getattr(gqa.model.layers[1].self_attn, proj).weight
+    for half in (0, 1):  # kv_proj holds k_proj's rows, then v_proj's
+        w = looplm.model.layers[1].self_attn.kv_proj.weight.chunk(2)[half]  # [HEADS * hd, d]
+        pooled = gqa.model.layers[1].self_attn.kv_proj.weight.chunk(2)[half]
         assert pooled.shape == (K * hd, w.shape[1])
         for g in range(K):
             want = torch.stack([w[j * hd:(j + 1) * hd] for j in range(g * group, (g + 1) * group)]).mean(0)
@@ -71,9 +71,8 @@ def test_groups_are_the_query_heads_each_key_head_serves(looplm):
     hd = twin.config.head_dim
     with torch.no_grad():
         for layer in twin.model.layers:
-            for proj in (layer.self_attn.k_proj, layer.self_attn.v_proj):
-                w = proj.weight.view(2, HEADS // 2, hd, -1)
-                w.copy_(w[:, :1].expand_as(w))
+            w = layer.self_attn.kv_proj.weight.view(2, 2, HEADS // 2, hd, -1)  # (k, v), 2 groups, heads of a group
+            w.copy_(w[:, :, :1].expand_as(w))
     full = MeltForCausalLM.from_looplm(twin, seed=1).eval()
     pooled = MeltForCausalLM.from_looplm(twin, seed=1, kv_heads=2).eval()
     assert greedy(full).sequences == greedy(pooled).sequences
@@ -113,7 +112,7 @@ def test_phase1_converts_trains_and_the_checkpoint_reloads_and_generates(tmp_pat
     run_recipe("tiny-phase1", "tiny-random-ouro", p1, progress=False, overrides={**FAST, "max_steps": 2, "kv_heads": 1})
     model, tok = load_model(str(p1))
     assert isinstance(model, MeltForCausalLM) and model.config.num_key_value_heads == 1
-    assert model.model.layers[0].self_attn.k_proj.weight.shape == (model.config.head_dim, model.config.hidden_size)
+    assert model.model.layers[0].self_attn.kv_proj.weight.shape == (2 * model.config.head_dim, model.config.hidden_size)
     ouro, _ = load_model("tiny-random-ouro")
     assert layout_of(model.config).bytes_per_token() * 2 == layout_of(MeltForCausalLM.from_looplm(ouro).config).bytes_per_token()
     res = generate(model, [tok("x = 3; y = x + 4.")["input_ids"]], max_new_tokens=5, temperature=1.0, seed=0)

@@ -283,7 +283,13 @@ def test_broken_checkpoints_name_the_tensors(looplm, tmp_path):
     save_file(tensors, shard, metadata={"format": "pt"})
     with pytest.raises(UserError, match=r"model\.layers\.1\.mlp\.up_proj\.weight"):
         load_looped(tmp_path)
+    # a pair the model holds as one weight (gate_proj/up_proj) is checked before loading merges it
     tensors = load_file(shard) | {"model.layers.1.mlp.up_proj.weight": torch.zeros(3, 3)}
+    save_file(tensors, shard, metadata={"format": "pt"})
+    with pytest.raises(UserError, match=r"shape mismatches: model\.layers\.1\.mlp\.gate_proj\.weight \[\d+, \d+\] vs "
+                                        r"model\.layers\.1\.mlp\.up_proj\.weight \[3, 3\]"):
+        load_looped(tmp_path)
+    tensors["model.layers.1.mlp.up_proj.weight"] = tensors["model.layers.1.mlp.gate_proj.weight"].clone()
     tensors["model.layers.0.self_attn.q_proj.weight"] = torch.zeros(7, 7)
     save_file(tensors, shard, metadata={"format": "pt"})
     with pytest.raises(UserError, match=r"q_proj"):

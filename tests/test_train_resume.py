@@ -6,6 +6,7 @@ the weights of an uninterrupted run, or stops with one line saying what to do.""
 from __future__ import annotations
 
 import errno
+import hashlib
 import json
 import os
 import subprocess
@@ -98,6 +99,34 @@ def test_resume_takes_the_newest_complete_checkpoint_and_names_what_it_skipped(t
     assert f"resuming {out} at step 2 from step-000002" in printed
     assert f"note: dropped 1 cut line of {log}" in printed
     assert_same_as_straight(out, straight)
+
+
+def test_a_resume_state_with_the_projections_apart_names_the_version_that_wrote_it(tmp_path):
+    """States written before k_proj|v_proj and gate_proj|up_proj were held merged (2026-11-28) cannot be resumed (the
+    optimizer's state is per parameter): one line that says so, not the first line of torch's key listing."""
+    from safetensors.torch import save_file
+
+    out = tmp_path / "run"
+    train(out, stop_after=2)
+    for ckpt in (out / "checkpoints").iterdir():
+        path = ckpt / "state" / "model.safetensors"
+        old = {}
+        for name, tensor in load_file(path).items():  # the layout such a state holds
+            for merged, parts in ((".kv_proj.", (".k_proj.", ".v_proj.")), (".gate_up_proj.", (".gate_proj.", ".up_proj."))):
+                if merged in name:
+                    old |= {name.replace(merged, part): half.clone() for part, half in zip(parts, tensor.chunk(2))}
+                    break
+            else:
+                old[name] = tensor
+        save_file(old, path, metadata={"format": "pt"})
+        record = ckpt / "trainer_state.json"  # the sizes and sums such a checkpoint recorded for its files
+        state = json.loads(record.read_text())
+        state["files"]["state/model.safetensors"] = path.stat().st_size
+        state["sha256"]["state/model.safetensors"] = hashlib.sha256(path.read_bytes()).hexdigest()
+        record.write_text(json.dumps(state))
+    with pytest.raises(UserError, match=r"no checkpoint .* loads \(step-000002 \(its model state keeps k_proj and v_proj "
+                                        r"apart: written by a melt-eval before 2026-11-28, which must resume it\); step-000001"):
+        train(out, resume=True)
 
 
 def test_a_cut_recipe_or_meta_file_is_recovered_and_both_broken_is_one_line(tmp_path, straight, capsys):

@@ -14,7 +14,7 @@ import torch
 from melt_eval.errors import UserError
 from melt_eval.files import check_regular_file, verify_sums
 from melt_eval.jsonio import read_json
-from melt_eval.modeling.looplm import LoopLMForCausalLM
+from melt_eval.modeling.looplm import CHECKPOINT_LAYOUT, LoopLMForCausalLM
 from melt_eval.modeling.melt import MeltForCausalLM
 from melt_eval.modeling.quiet import quiet_transformers
 from melt_eval.modeling.tiny import build_tiny_model
@@ -197,12 +197,40 @@ def _names(keys, limit: int = 8) -> str:
     return ", ".join(keys[:limit]) + (f" ... ({len(keys)} in all)" if len(keys) > limit else "")
 
 
+def _checkpoint_names(key: str) -> list[str]:
+    """The checkpoint's names for a model tensor: a merged weight's two (`CHECKPOINT_LAYOUT`), else its own."""
+    for merged, sources in CHECKPOINT_LAYOUT:
+        if key.endswith(merged):
+            return [key[: -len(merged)] + source for source in sources]
+    return [key]
+
+
+def _check_pairs(model_dir: Path, tensors: dict[str, tuple[str, list[int]]]) -> None:
+    """Each pair of tensors the model holds as one (k_proj/v_proj, gate_proj/up_proj) is whole and of one shape,
+    checked before loading concatenates them (transformers would report the merged tensor, or a failed
+    conversion): a missing or misshapen half is named as the checkpoint names it, with the pair's shapes."""
+    missing, mismatched = [], []
+    for merged, sources in CHECKPOINT_LAYOUT:
+        prefixes = {name[: -len(s)] for name in tensors for s in sources if name.endswith(s)}
+        for prefix in prefixes:
+            names = [prefix + s for s in sources]
+            missing += [n for n in names if n not in tensors]
+            if all(n in tensors for n in names) and len({tuple(tensors[n][1]) for n in names}) > 1:
+                mismatched.append(" vs ".join(f"{n} {list(tensors[n][1])}" for n in names))
+    parts = [f"missing tensors: {_names(missing)}"] if missing else []
+    parts += [f"shape mismatches: {_names(mismatched)}"] if mismatched else []
+    if parts:
+        raise UserError(f"checkpoint {model_dir} does not match its config.json ({'; '.join(parts)}); "
+                        "check num_hidden_layers, sizes and model_type")
+
+
 def _check_loading_info(model_dir: Path, model, info: dict) -> None:
-    """Config and weights agree: nothing missing, nothing left unused, every shape right."""
+    """Config and weights agree: nothing missing, nothing left unused, every shape right (named as the checkpoint
+    names them)."""
     tied = bool(getattr(model.config, "tie_word_embeddings", False))
-    missing = [k for k in info.get("missing_keys", []) if not (k == "lm_head.weight" and tied)]
+    missing = [n for k in info.get("missing_keys", []) if not (k == "lm_head.weight" and tied) for n in _checkpoint_names(k)]
     unused = list(info.get("unexpected_keys", []))
-    mismatched = [m[0] if isinstance(m, tuple) else m for m in info.get("mismatched_keys", [])]
+    mismatched = [n for m in info.get("mismatched_keys", []) for n in _checkpoint_names(m[0] if isinstance(m, tuple) else m)]
     parts = []
     if missing:
         parts.append(f"missing tensors: {_names(missing)}")
@@ -236,7 +264,7 @@ def load_looped(model_dir: Path, dtype=torch.float32, device="cpu"):
     cls = MeltForCausalLM if checkpoint_model_type(model_dir) == "melt" else LoopLMForCausalLM
     if not any(Path(model_dir).glob("*.safetensors")):
         raise UserError(f"{model_dir} has no *.safetensors weights; pass a complete checkpoint directory")
-    check_weights(model_dir)
+    _check_pairs(model_dir, check_weights(model_dir))
     try:
         with quiet_transformers():
             # mismatched shapes are collected (and reported below by name) instead of raised

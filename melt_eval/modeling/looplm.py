@@ -1,7 +1,8 @@
 """Ouro LoopLM: a looped decoder that applies its N-layer stack T times (docs/method.md#looped-lm).
 
 Loads Ouro checkpoints (config.json with model_type "ouro", Ouro's safetensors key names)
-without remote code. Each layer is a sandwich-norm Llama block:
+without remote code; k_proj|v_proj and gate_proj|up_proj are held as one weight each
+(`CHECKPOINT_LAYOUT`), checkpoints keep them apart. Each layer is a sandwich-norm Llama block:
 
     a = input_layernorm(x)
     o = o_proj(Attn(RoPE(q_proj(a)), RoPE(k_proj(a)), v_proj(a)))
@@ -25,6 +26,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedConfig, PreTrainedModel
+from transformers.conversion_mapping import register_checkpoint_conversion_mapping
+from transformers.core_model_loading import Concatenate, WeightConverter
 from transformers.modeling_outputs import ModelOutput
 
 from torch.utils.checkpoint import checkpoint
@@ -161,8 +164,9 @@ class LoopLMAttention(nn.Module):
         d, hd = config.hidden_size, config.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_attention_heads, config.num_key_value_heads, hd
         self.q_proj = nn.Linear(d, self.num_heads * hd, bias=False)
-        self.k_proj = nn.Linear(d, self.num_kv_heads * hd, bias=False)
-        self.v_proj = nn.Linear(d, self.num_kv_heads * hd, bias=False)
+        # k_proj and v_proj read the same input (a_t, or MELT's h_t; q_proj reads a_t even where they read h_t):
+        # stored as one [2 KVH hd, d] weight, k's rows first. Checkpoints keep the two tensors (`CHECKPOINT_LAYOUT`).
+        self.kv_proj = nn.Linear(d, 2 * self.num_kv_heads * hd, bias=False)
         self.o_proj = nn.Linear(self.num_heads * hd, d, bias=False)
 
     def _heads(self, x: Tensor, n: int) -> Tensor:
@@ -172,9 +176,14 @@ class LoopLMAttention(nn.Module):
     def query(self, a: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         return apply_rope(self._heads(self.q_proj(a), self.num_heads), cos, sin)
 
+    def _keys_values(self, h: Tensor) -> tuple[Tensor, Tensor]:
+        """k_proj(h), v_proj(h) as [B, n, KVH, hd] views of one product (h [B, n, d])."""
+        b, n, _ = h.shape
+        return self.kv_proj(h).view(b, n, 2, self.num_kv_heads, self.head_dim).unbind(2)
+
     def key_value(self, h: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
-        k = apply_rope(self._heads(self.k_proj(h), self.num_kv_heads), cos, sin)
-        return k, self._heads(self.v_proj(h), self.num_kv_heads)
+        k, v = self._keys_values(h)
+        return apply_rope(k.transpose(1, 2), cos, sin), v.transpose(1, 2)
 
     def queries_and_keys(self, a: Tensor, kv_inputs: list[Tensor], cos: Tensor, sin: Tensor):
         """`query(a)` and `key_value(h)` for each h of `kv_inputs`, with RoPE applied to q and every k in one pass
@@ -184,11 +193,12 @@ class LoopLMAttention(nn.Module):
         layout, so `output` reshapes it without a copy."""
         b, c, _ = a.shape
         q = self.q_proj(a).view(b, c, self.num_heads, self.head_dim)
-        # several inputs (phase 1: a_t for the base entries, h_t for MELT's) go through k_proj and v_proj as one
-        # [B, n c, d] product each: half the matrix products, and one gradient per weight instead of n
+        # several inputs (phase 1: a_t for the base entries, h_t for MELT's) go through kv_proj as one [B, n c, d]
+        # product: one matrix product for all of them, and one weight gradient instead of n
         h = kv_inputs[0] if len(kv_inputs) == 1 else torch.cat(kv_inputs, dim=1)
-        ks = self.k_proj(h).view(b, -1, self.num_kv_heads, self.head_dim).split(c, dim=1)
-        vs = [self._heads(v, self.num_kv_heads) for v in self.v_proj(h).split(c, dim=1)]
+        keys, values = self._keys_values(h)
+        ks = keys.split(c, dim=1)
+        vs = [v.transpose(1, 2) for v in values.split(c, dim=1)]
         rotated = apply_rope(torch.cat([q, *ks], dim=2), cos.transpose(1, 2), sin.transpose(1, 2))  # [B, c, H + n KVH, hd]
         q, *ks = (t.transpose(1, 2) for t in rotated.split([q.shape[2]] + [k.shape[2] for k in ks], dim=2))
         return q, list(zip(ks, vs))
@@ -200,14 +210,18 @@ class LoopLMAttention(nn.Module):
 
 
 class LoopLMMLP(nn.Module):
+    """down_proj(silu(gate_proj(x)) * up_proj(x)), with gate_proj and up_proj stored as one [2 I, d] weight
+    (`gate_up_proj`): one matrix product each way and one weight gradient instead of two. Checkpoints keep
+    the two tensors (`CHECKPOINT_LAYOUT`)."""
+
     def __init__(self, config: LoopLMConfig) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class LoopLMDecoderLayer(nn.Module):
@@ -548,6 +562,23 @@ class LoopLMForCausalLM(LoopLMPreTrainedModel):
         return torch.stack([torch.sigmoid(exit_logit(self, h)) for h in out.hidden_states])
 
 
+# Checkpoints keep Ouro's tensors: k_proj and v_proj, gate_proj and up_proj apart. Loading concatenates each pair into
+# the merged weight (k or gate rows first), and save_pretrained splits it back in halves (transformers reverses the
+# mapping on save), so the Hub layout is what every checkpoint, loaded or written, holds.
+CHECKPOINT_LAYOUT = (
+    ("self_attn.kv_proj.weight", ["self_attn.k_proj.weight", "self_attn.v_proj.weight"]),
+    ("mlp.gate_up_proj.weight", ["mlp.gate_proj.weight", "mlp.up_proj.weight"]),
+)
+
+
+def register_checkpoint_layout(model_type: str) -> None:
+    register_checkpoint_conversion_mapping(model_type, [
+        WeightConverter(source_patterns=sources, target_patterns=merged, operations=[Concatenate(dim=0)])
+        for merged, sources in CHECKPOINT_LAYOUT
+    ], overwrite=True)
+
+
+register_checkpoint_layout("ouro")
 # transformers' Auto classes load "ouro" checkpoints with this class (no remote code), from wherever it is imported
 AutoConfig.register("ouro", LoopLMConfig, exist_ok=True)
 AutoModelForCausalLM.register(LoopLMConfig, LoopLMForCausalLM, exist_ok=True)

@@ -12,7 +12,7 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from melt_eval.modeling.gates import GATES, LEARNED_GATES, gate_update
-from melt_eval.modeling.looplm import LoopLMConfig, LoopLMDecoderLayer, LoopLMForCausalLM
+from melt_eval.modeling.looplm import LoopLMConfig, LoopLMDecoderLayer, LoopLMForCausalLM, register_checkpoint_layout
 
 Tensor = torch.Tensor
 
@@ -110,8 +110,9 @@ def check_kv_heads(config, kv_heads: int) -> None:
 
 
 def pool_kv_heads(state: dict, config, kv_heads: int) -> dict:
-    """A copy of a LoopLM state dict whose k_proj/v_proj have `kv_heads` K heads, each the mean of a group of
-    KVH/K consecutive original heads (Ainslie et al., 2023, GQA's conversion of a multi-head checkpoint).
+    """A copy of a LoopLM state dict whose keys and values (`kv_proj`: k_proj's rows, then v_proj's) have `kv_heads`
+    K heads, each the mean of a group of KVH/K consecutive original heads (Ainslie et al., 2023, GQA's conversion
+    of a multi-head checkpoint).
 
     Consecutive, because attention gives query head j the key head j // (H/K) (`repeat_interleave`, as
     SDPA's enable_gqa and vLLM do): each new key head serves exactly the query heads its group served.
@@ -121,11 +122,13 @@ def pool_kv_heads(state: dict, config, kv_heads: int) -> dict:
     have, hd = config.num_key_value_heads, config.head_dim
     out = dict(state)
     for name, w in state.items():
-        if name.endswith(("self_attn.k_proj.weight", "self_attn.v_proj.weight")):
-            d = w.shape[1]  # [KVH * hd, d] -> [K, KVH/K, hd, d] -> mean over each group (in fp32 at least)
-            out[name] = w.to(torch.promote_types(w.dtype, torch.float32)).view(kv_heads, have // kv_heads, hd, d).mean(1).reshape(kv_heads * hd, d).to(w.dtype)
+        if name.endswith("self_attn.kv_proj.weight"):
+            d = w.shape[1]  # [2 KVH hd, d] -> [2, K, KVH/K, hd, d] -> mean over each group (in fp32 at least)
+            pooled = w.to(torch.promote_types(w.dtype, torch.float32)).view(2, kv_heads, have // kv_heads, hd, d).mean(2)
+            out[name] = pooled.reshape(2 * kv_heads * hd, d).to(w.dtype)
     return out
 
 
+register_checkpoint_layout("melt")
 AutoConfig.register("melt", MeltConfig, exist_ok=True)
 AutoModelForCausalLM.register(MeltConfig, MeltForCausalLM, exist_ok=True)

@@ -23,7 +23,7 @@ SHAPE_FIELDS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_at
 
 def _pooled_from(student, teacher) -> bool:
     """Whether the student's key/value heads can be the teacher's pooled in groups (grouped-query MELT):
-    then their k_proj/v_proj shapes differ by design and the teacher still teaches (its outputs are what KD reads)."""
+    then their kv_proj shapes differ by design and the teacher still teaches (its outputs are what KD reads)."""
     s, t = student.config.num_key_value_heads, teacher.config.num_key_value_heads
     return isinstance(s, int) and isinstance(t, int) and s < t and t % s == 0
 
@@ -35,7 +35,7 @@ def check_teacher(student, teacher) -> None:
     bad = [f"{k}: student {getattr(student.config, k, None)} vs teacher {getattr(teacher.config, k, None)}"
            for k in fields if getattr(student.config, k, None) != getattr(teacher.config, k, None)]
     t_shapes = {k: v.shape for k, v in teacher.state_dict().items()}
-    kv = ("self_attn.k_proj.weight", "self_attn.v_proj.weight")
+    kv = "self_attn.kv_proj.weight"
     bad += [f"{k}: student {tuple(v.shape)} vs teacher {tuple(t_shapes[k])}"
             for k, v in student.state_dict().items()
             if k in t_shapes and t_shapes[k] != v.shape and not (pooled and k.endswith(kv))][:5]

@@ -173,7 +173,11 @@ def load_checkpoint(accelerator, stream, output: Path, candidates: list[Path], r
         try:
             accelerator.load_state(str(ckpt / "state"))
         except Exception as exc:  # corrupt bytes its size did not betray (torch, safetensors, pickle errors)
-            failed.append(f"{ckpt.name} ({type(exc).__name__}: {str(exc).splitlines()[0][:120] if str(exc) else ''})")
+            if ".k_proj.weight" in str(exc):  # a state saved before k_proj|v_proj, gate_proj|up_proj were held merged
+                failed.append(f"{ckpt.name} (its model state keeps k_proj and v_proj apart: written by a melt-eval "
+                              "before 2026-11-28, which must resume it)")
+            else:
+                failed.append(f"{ckpt.name} ({type(exc).__name__}: {str(exc).splitlines()[0][:120] if str(exc) else ''})")
             continue
         stream.load_state_dict(state["data"])
         if failed and accelerator.is_main_process:  # a warning: stderr, one line
