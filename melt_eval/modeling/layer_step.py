@@ -54,6 +54,7 @@ def attention_inputs(layer, x, h_prev, cos, sin, first_loop: bool, loop: int, ne
         # the compiled backward copies every incoming gradient whose strides differ from its output's, and the
         # entries' gradients come back contiguous; in the compiled kernels these layouts cost no extra pass
         base, melt = (None if e is None else tuple(t.contiguous() for t in e) for e in (base, melt))
+        q = q.transpose(1, 2).contiguous().transpose(1, 2)  # dq comes back dense in [B, c, H, hd] memory
     if last_loop:
         h = None
     elif mix_weight is not None:
