@@ -18,6 +18,8 @@ from melt_eval.training import heldout, run_recipe
 from melt_eval.training.config import load_recipe
 from melt_eval.training.runner import META_FILE
 
+from helpers import checkpoint_layout
+
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 SOURCE = load_recipe("pretrain-tiny").data[0]  # the demo teacher's task
@@ -136,7 +138,7 @@ def test_a_run_stops_at_the_first_check_on_target_finished_and_recorded(tmp_path
     # the checks leave training alone: the same recipe without them, stopped at step 6, has the same weights
     plain = run_recipe("pretrain-tiny", "tiny-random-ouro", tmp_path / "plain", overrides=FAST, progress=False, stop_after=6)
     state = sorted((plain / "checkpoints").glob("step-000006/state/model.safetensors"))[0]
-    _same_weights(load_file(out / "model.safetensors"), _checkpoint_layout(load_file(state)))
+    _same_weights(load_file(out / "model.safetensors"), checkpoint_layout(load_file(state)))
 
 
 def test_a_run_resumed_between_checks_stops_at_the_same_step_with_the_same_weights(tmp_path, monkeypatch):
@@ -159,22 +161,6 @@ def test_a_run_that_never_reaches_the_target_finishes_at_max_steps(tmp_path, mon
     meta = json.loads((out / META_FILE).read_text())
     assert steps == [2, 4] and meta["status"] == "finished" and meta["steps"] == 5
     assert meta["heldout"]["stopped_at"] is None
-
-
-def _checkpoint_layout(state: dict) -> dict:
-    """A resume state's tensors named as an exported checkpoint names them: the model holds k|v and gate|up as one
-    weight each, checkpoints keep the halves apart (`looplm.CHECKPOINT_LAYOUT`)."""
-    from melt_eval.modeling.looplm import CHECKPOINT_LAYOUT
-
-    out = {}
-    for name, tensor in state.items():
-        merged = next(((m, parts) for m, parts in CHECKPOINT_LAYOUT if name.endswith(m)), None)
-        if merged is None:
-            out[name] = tensor
-            continue
-        prefix = name[: -len(merged[0])]
-        out |= {prefix + part: half for part, half in zip(merged[1], tensor.chunk(2))}
-    return out
 
 
 def _same_weights(a: dict, b: dict) -> None:

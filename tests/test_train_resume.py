@@ -22,6 +22,8 @@ from melt_eval.errors import UserError
 from melt_eval.training import run_recipe
 from melt_eval.training.runner import META_FILE
 
+from helpers import checkpoint_layout
+
 REPO = Path(__file__).resolve().parents[1]
 # tiny-phase1 shrunk to a second or so of steps: 2 micro-batches of 4 sequences, a checkpoint every step
 FAST = {"seq_len": 64, "micro_batch_size": 4, "batch_tokens": 512, "warmup_steps": 1, "interpolation_steps": 3,
@@ -110,15 +112,7 @@ def test_a_resume_state_with_the_projections_apart_names_the_version_that_wrote_
     train(out, stop_after=2)
     for ckpt in (out / "checkpoints").iterdir():
         path = ckpt / "state" / "model.safetensors"
-        old = {}
-        for name, tensor in load_file(path).items():  # the layout such a state holds
-            for merged, parts in ((".kv_proj.", (".k_proj.", ".v_proj.")), (".gate_up_proj.", (".gate_proj.", ".up_proj."))):
-                if merged in name:
-                    old |= {name.replace(merged, part): half.clone() for part, half in zip(parts, tensor.chunk(2))}
-                    break
-            else:
-                old[name] = tensor
-        save_file(old, path, metadata={"format": "pt"})
+        save_file(checkpoint_layout(load_file(path)), path, metadata={"format": "pt"})  # the layout such a state holds
         record = ckpt / "trainer_state.json"  # the sizes and sums such a checkpoint recorded for its files
         state = json.loads(record.read_text())
         state["files"]["state/model.safetensors"] = path.stat().st_size
