@@ -70,15 +70,11 @@ def copy_checkpoint(tiny_dirs, tmp_path, name="tiny-random-ouro"):
 
 def checkpoint_layout(state: dict) -> dict:
     """A model state dict (a resume state's) named as checkpoints name it: the model holds k|v and gate|up as one
-    weight each, checkpoints keep the halves apart (`looplm.CHECKPOINT_LAYOUT`)."""
-    from melt_eval.modeling.looplm import CHECKPOINT_LAYOUT
+    weight each, checkpoints keep the halves apart (`looplm.checkpoint_names`)."""
+    from melt_eval.modeling.looplm import checkpoint_names
 
     out = {}
     for name, tensor in state.items():
-        merged = next(((m, parts) for m, parts in CHECKPOINT_LAYOUT if name.endswith(m)), None)
-        if merged is None:
-            out[name] = tensor
-            continue
-        prefix = name[: -len(merged[0])]
-        out |= {prefix + part: half.clone() for part, half in zip(merged[1], tensor.chunk(2))}
+        names = checkpoint_names(name)
+        out |= {part: half.clone() for part, half in zip(names, tensor.chunk(len(names)))}
     return out

@@ -14,7 +14,7 @@ import torch
 from melt_eval.errors import UserError
 from melt_eval.files import check_regular_file, verify_sums
 from melt_eval.jsonio import read_json
-from melt_eval.modeling.looplm import CHECKPOINT_LAYOUT, LoopLMForCausalLM
+from melt_eval.modeling.looplm import CHECKPOINT_LAYOUT, LoopLMForCausalLM, checkpoint_names
 from melt_eval.modeling.melt import MeltForCausalLM
 from melt_eval.modeling.quiet import quiet_transformers
 from melt_eval.modeling.tiny import build_tiny_model
@@ -197,14 +197,6 @@ def _names(keys, limit: int = 8) -> str:
     return ", ".join(keys[:limit]) + (f" ... ({len(keys)} in all)" if len(keys) > limit else "")
 
 
-def _checkpoint_names(key: str) -> list[str]:
-    """The checkpoint's names for a model tensor: a merged weight's two (`CHECKPOINT_LAYOUT`), else its own."""
-    for merged, sources in CHECKPOINT_LAYOUT:
-        if key.endswith(merged):
-            return [key[: -len(merged)] + source for source in sources]
-    return [key]
-
-
 def _check_pairs(model_dir: Path, tensors: dict[str, tuple[str, list[int]]]) -> None:
     """Each pair of tensors the model holds as one (k_proj/v_proj, gate_proj/up_proj) is whole and of one shape,
     checked before loading concatenates them (transformers would report the merged tensor, or a failed
@@ -228,9 +220,9 @@ def _check_loading_info(model_dir: Path, model, info: dict) -> None:
     """Config and weights agree: nothing missing, nothing left unused, every shape right (named as the checkpoint
     names them)."""
     tied = bool(getattr(model.config, "tie_word_embeddings", False))
-    missing = [n for k in info.get("missing_keys", []) if not (k == "lm_head.weight" and tied) for n in _checkpoint_names(k)]
+    missing = [n for k in info.get("missing_keys", []) if not (k == "lm_head.weight" and tied) for n in checkpoint_names(k)]
     unused = list(info.get("unexpected_keys", []))
-    mismatched = [n for m in info.get("mismatched_keys", []) for n in _checkpoint_names(m[0] if isinstance(m, tuple) else m)]
+    mismatched = [n for m in info.get("mismatched_keys", []) for n in checkpoint_names(m[0] if isinstance(m, tuple) else m)]
     parts = []
     if missing:
         parts.append(f"missing tensors: {_names(missing)}")

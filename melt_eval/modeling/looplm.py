@@ -571,6 +571,14 @@ CHECKPOINT_LAYOUT = (
 )
 
 
+def checkpoint_names(key: str) -> list[str]:
+    """The checkpoint's names for a model tensor: a merged weight's two (`CHECKPOINT_LAYOUT`), else its own."""
+    for merged, sources in CHECKPOINT_LAYOUT:
+        if key.endswith(merged):
+            return [key[: -len(merged)] + source for source in sources]
+    return [key]
+
+
 def register_checkpoint_layout(model_type: str) -> None:
     register_checkpoint_conversion_mapping(model_type, [
         WeightConverter(source_patterns=sources, target_patterns=merged, operations=[Concatenate(dim=0)])
