@@ -32,6 +32,10 @@ FAST = {"seq_len": 64, "micro_batch_size": 4, "batch_tokens": 512, "warmup_steps
         "data": [{"source": "synthetic", "n": 100, "num_steps": 1}], "tensorboard": False, "interpolation_steps": 0}
 RUNS = {  # name: (recipe, from, overrides)
     "phase1": ("tiny-phase1", "tiny-random-ouro", {**FAST, "max_steps": 4}),
+    # the compiled layer step: one process adds weight gradients into .grad inside its compiled backward, two
+    # processes leave them to autograd, whose accumulation DDP hooks (`compile_layer_step(grads_in_place=...)`)
+    "phase1_compiled": ("tiny-phase1", "tiny-random-ouro", {**FAST, "max_steps": 2, "compile": True, "chunk_size": 16,
+                                                            "prompt_as_one_chunk": False}),
     "phase2": ("tiny-phase2", "tiny-random-melt", {**FAST, "max_steps": 3, "teacher": "tiny-random-ouro"}),
     "exit_gate": ("tiny-exit-gate", "tiny-random-melt", {**{k: v for k, v in FAST.items() if k != "interpolation_steps"},
                                                          "max_steps": 3}),

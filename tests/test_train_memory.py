@@ -130,6 +130,36 @@ def test_compiled_layer_step_keeps_the_gradients(looplm, batch):
         torch.testing.assert_close(results[1][1][name], results[0][1][name], atol=1e-6, rtol=0, msg=name)
 
 
+@pytest.mark.slow
+def test_compiled_gradients_added_in_place_accumulate_over_micro_batches(looplm, batch):
+    """The compiled step adds each layer weight's gradient into its .grad inside the compiled backward
+    (`grads_in_place`, one process) or leaves the sum to autograd (under DDP/FSDP): both give the eager step's
+    gradients summed over two micro-batches, and again after the optimizer sets .grad to None."""
+    recipe, step = recipe_at(0.3, 3, 0.1)
+    counts = loss_counts(batch)
+    results = {}
+    for name, in_place in (("eager", None), ("in place", True), ("autograd", False)):
+        student = MeltForCausalLM.from_looplm(looplm, gate="elementwise", seed=1).train()
+        student.gradient_checkpointing_enable()
+        if in_place is not None:
+            student.model.compile_layer_step(grads_in_place=in_place)
+        runs = []
+        for _ in range(2):  # two optimizer steps' worth, .grad set to None between them as the runner does
+            for _ in range(2):  # two micro-batches accumulate into .grad
+                terms, _ = forward_objective(student, looplm, batch, recipe, step, **counts)
+                terms.total.backward()
+            runs.append(grads(student))
+            student.zero_grad(set_to_none=True)
+        results[name] = runs
+    layer_weights = [n for n in results["eager"][0] if ".layers." in n]
+    assert layer_weights
+    for name in ("in place", "autograd"):
+        for got, want in zip(results[name], results["eager"]):
+            assert got.keys() == want.keys()
+            for weight in want:
+                torch.testing.assert_close(got[weight], want[weight], atol=2e-6, rtol=0, msg=f"{name}: {weight}")
+
+
 def test_final_mixes_differentiate_as_separate_lerps():
     """`_MixFinals` (a chunk's 2 N T phase-1 mixes in a few multi-tensor kernels) gives each lerp's output, and
     the gradients autograd gives lerp by lerp, each final MELT entry summing the gradients of its T mixes."""

@@ -71,3 +71,36 @@ def attention_residual_and_mlp(layer, x, heads, keep_output: bool = True):
     x = x + layer.input_layernorm_2(o)
     x = x + layer.post_attention_layernorm_2(layer.mlp(layer.post_attention_layernorm(x)))
     return x, o if keep_output else None
+
+
+class _AddGradInto(torch.autograd.Function):
+    """A weight, passed through unchanged; its gradient is added into `grad` in place and not handed back to
+    autograd. In a compiled backward the addition fuses into the kernel that casts the gradient (or into the
+    matrix product, as addmm), where autograd would sum a weight's uses, one per (chunk, loop), one kernel each."""
+
+    @staticmethod
+    def forward(ctx, weight: Tensor, grad: Tensor) -> Tensor:
+        ctx.grad = grad  # not saved for backward: every use adds into it, which autograd's version check would refuse
+        return weight.view_as(weight)
+
+    @staticmethod
+    def backward(ctx, grad_output: Tensor):
+        ctx.grad.add_(grad_output)
+        return None, None
+
+
+def _run_adding_grads(part, layer, grads: dict[str, Tensor], args: tuple):
+    """`part(layer, *args)` whose backward adds each weight's gradient into `grads[name]` (the parameters' own
+    `.grad`: `LoopLMModel.grads_in_place`) instead of returning it. The layer runs with stand-ins for its
+    weights, through its forward (`LoopLMDecoderLayer.forward(part, *args)`) and torch.func.functional_call."""
+    weights = {name: _AddGradInto.apply(p, grads[name]) for name, p in layer.named_parameters() if name in grads}
+    return torch.func.functional_call(layer, weights, (part, *args))
+
+
+# One function each, as torch.compile keeps compiled graphs per function (a shared closure would share one cache)
+def attention_inputs_adding_grads(layer, grads, *args):
+    return _run_adding_grads(attention_inputs, layer, grads, args)
+
+
+def attention_residual_and_mlp_adding_grads(layer, grads, *args):
+    return _run_adding_grads(attention_residual_and_mlp, layer, grads, args)

@@ -36,7 +36,8 @@ from melt_eval.cache_layout import KV_SHARING, CacheLayout, layout_of  # noqa: F
 from melt_eval.modeling import token_step
 from melt_eval.modeling.gates import FixedGate, gate_update
 from melt_eval.modeling.kv_cache import TrainingKVBuffer, policy_for
-from melt_eval.modeling.layer_step import attention_inputs, attention_residual_and_mlp, compute_dtype
+from melt_eval.modeling.layer_step import (attention_inputs, attention_inputs_adding_grads, attention_residual_and_mlp,
+                                           attention_residual_and_mlp_adding_grads, compute_dtype)
 
 Tensor = torch.Tensor
 
@@ -235,6 +236,12 @@ class LoopLMDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(d, eps)
         self.post_attention_layernorm_2 = RMSNorm(d, eps)
 
+    def forward(self, part, *args):
+        """One part of the layer's (layer, loop) step, `part(self, *args)` (layer_step.py). The model calls the parts
+        directly; this forward lets torch.func.functional_call run one with stand-in weights
+        (`layer_step._run_adding_grads`)."""
+        return part(self, *args)
+
     def update_state(self, h_prev: Tensor, a: Tensor, loop: int, kv_sharing: str) -> tuple[Tensor, Tensor | None]:
         """Untrained KV sharing on a LoopLM: the shared entry updated through the fixed gate `last`
         (h_t = a_t) or `first` (h_t = a_1), by MELT's rule; no learned gate value to report."""
@@ -260,6 +267,7 @@ class LoopLMModel(nn.Module):
         self.token_step = None  # compiled `token_step.token_chunk`, set by compile_token_step
         self.attention_inputs, self.attention_residual_and_mlp = attention_inputs, attention_residual_and_mlp
         self.layer_step_compiled = False
+        self.grads_in_place = False  # set by compile_layer_step: the compiled parts add weight gradients into .grad
 
     def run_chunk(
         self,
@@ -320,23 +328,48 @@ class LoopLMModel(nn.Module):
         The parts before and after the attention are pure tensor code (`attention_inputs`,
         `attention_residual_and_mlp`), which `compile_layer_step` hands to torch.compile; the
         attention itself reads and writes the KV store, so it stays eager between them."""
-        q, base, melt, h, z, mixed = self.attention_inputs(
-            layer, x, h_prev, cos, sin, t == 0, t + 1, policy.needs_base, policy.needs_melt, kv_sharing, mix_weight,
-            t == self.config.total_ut_steps - 1,
+        grads = self._grads_of(layer) if self.grads_in_place and torch.is_grad_enabled() else None
+        if grads is None:
+            before, after, with_grads = self.attention_inputs, self.attention_residual_and_mlp, ()
+        else:
+            (before, after), with_grads = self._parts_adding_grads, (grads,)
+        q, base, melt, h, z, mixed = before(
+            layer, *with_grads, x, h_prev, cos, sin, t == 0, t + 1, policy.needs_base, policy.needs_melt, kv_sharing,
+            mix_weight, t == self.config.total_ut_steps - 1,
         )
         key, kv = policy.key_value(i, t, base, melt, mixed)
-        x, o = self.attention_residual_and_mlp(layer, x, policy.attend(key, q, kv, past, token, mask), keep_o)
+        x, o = after(layer, *with_grads, x, policy.attend(key, q, kv, past, token, mask), keep_o)
         return x, h, o, z, base, melt
 
-    def compile_layer_step(self, **compile_kwargs) -> None:
+    @staticmethod
+    def _grads_of(layer) -> dict[str, Tensor]:
+        """The .grad of each of the layer's trainable weights, zeros where the optimizer set it to None: the
+        compiled parts add into these tensors (`layer_step._run_adding_grads`), which the optimizer and clipping
+        read as usual."""
+        grads = {}
+        for name, p in layer.named_parameters():
+            if p.requires_grad:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                grads[name] = p.grad
+        return grads
+
+    def compile_layer_step(self, grads_in_place: bool = True, **compile_kwargs) -> None:
         """torch.compile the pure parts of every (layer, loop) step: norms, projections, RoPE,
         the MELT gate, residuals and the MLP fuse into a few kernels per step, which is what
         chunk-wise training pays per chunk. Layers share compiled code. Shapes are static (dynamic
         shapes measured slower, docs/results/2026-11-26-benchmarks.md#compiled-layer-step): each new chunk
-        shape compiles once, so training pads rows to whole chunks (`bucket(pad_multiple=C)`)."""
+        shape compiles once, so training pads rows to whole chunks (`bucket(pad_multiple=C)`).
+
+        grads_in_place: the compiled backward adds each layer weight's gradient into its `.grad` in place, in its
+        own kernels, where autograd would sum a weight's N T chunk uses one kernel each. The gradients never pass
+        through autograd's accumulation, so DDP and FSDP, which hook it, need grads_in_place=False."""
         compile_kwargs.setdefault("dynamic", False)
         self.attention_inputs = torch.compile(attention_inputs, **compile_kwargs)
         self.attention_residual_and_mlp = torch.compile(attention_residual_and_mlp, **compile_kwargs)
+        self._parts_adding_grads = (torch.compile(attention_inputs_adding_grads, **compile_kwargs),
+                                    torch.compile(attention_residual_and_mlp_adding_grads, **compile_kwargs))
+        self.grads_in_place = grads_in_place
         self.layer_step_compiled = True
 
     def compile_token_step(self, **compile_kwargs) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from accelerate.utils import DistributedType
 
 from melt_eval.errors import UserError
 from melt_eval.training.config import Recipe
@@ -198,8 +199,12 @@ def allocate_optimizer_state(optimizer) -> None:
                 state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
 
 
-def prepare_student(student, recipe: Recipe) -> int:
-    """Put the student in training mode as the recipe asks; returns the row padding multiple."""
+def prepare_student(student, recipe: Recipe, one_process: bool = True) -> int:
+    """Put the student in training mode as the recipe asks; returns the row padding multiple.
+
+    one_process: no DDP or FSDP wraps the model, so the compiled layer step may add the weights' gradients
+    into .grad itself (`compile_layer_step(grads_in_place=True)`); DDP and FSDP reduce gradients from hooks on
+    autograd's accumulation, which that path bypasses."""
     # Ouro's early-exit gate is trained only by target exit_gate (the objective of the others never reads it):
     # frozen otherwise, so that DDP/FSDP see no parameter without a gradient. Under exit_gate it is all that trains.
     if recipe.target == "exit_gate":
@@ -215,7 +220,7 @@ def prepare_student(student, recipe: Recipe) -> int:
     if per_token:  # one compiled function per token: every token has the same shapes
         student.model.compile_token_step()
     elif recipe.compile:
-        student.model.compile_layer_step()
+        student.model.compile_layer_step(grads_in_place=one_process)
     # a compiled layer step recompiles for every new chunk shape: pad rows to whole chunks
     return recipe.chunk_size if recipe.compile and recipe.chunk_size and not per_token else 1
 
@@ -232,7 +237,7 @@ def prepare_training(accelerator, recipe: Recipe, mixed_precision: str) -> tuple
         raise UserError(f"target exit_gate fits when to stop looping; {recipe.from_model} runs T = {loops} loop")
     if accelerator.is_main_process and info.get("gate_note"):
         accelerator.print(f"note: {info['gate_note']}")
-    pad_multiple = prepare_student(student, recipe)
+    pad_multiple = prepare_student(student, recipe, one_process=accelerator.distributed_type == DistributedType.NO)
     optimizer = make_optimizer(student, recipe, accelerator.device)
     model, optimizer = accelerator.prepare(student, optimizer)
     allocate_optimizer_state(optimizer)
