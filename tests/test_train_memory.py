@@ -119,10 +119,13 @@ def test_compiled_layer_step_keeps_the_gradients(looplm, batch):
         student.gradient_checkpointing_enable()
         if compiled:
             student.model.compile_layer_step()
-        terms, _ = forward_objective(student, looplm, batch, recipe, step, **counts)
+        terms, out = forward_objective(student, looplm, batch, recipe, step, **counts)
         terms.total.backward()
-        results.append((terms.total.item(), grads(student)))
+        results.append((terms.total.item(), grads(student), out.gate_means))
     assert counters["stats"]["unique_graphs"] > graphs_before  # really compiled, not a silent eager fallback
+    # the gate statistics training logs: each chunk's mean taken inside the compiled step (`gate_mean`)
+    assert results[0][2].shape == results[1][2].shape and not results[0][2][:, 1:].isnan().any()
+    torch.testing.assert_close(results[1][2], results[0][2], atol=1e-6, rtol=0, equal_nan=True)
     assert not counters["graph_break"]
     # 1e-6, not 1e-9: RMSNorm computes in float32 (as Ouro does), and inductor may keep float64 there
     assert abs(results[1][0] - results[0][0]) < 1e-6

@@ -41,7 +41,7 @@ def attention_inputs(layer, x, h_prev, cos, sin, first_loop: bool, loop: int, ne
 
     Outputs nobody reads are None, since a compiled backward builds a zero gradient for each: the state h after
     the last loop (`last_loop`), and when interpolating, MELT's entries before the last loop (only the final ones
-    are kept; the step's own are read through the mix)."""
+    are kept; the step's own are read through the mix). Compiled, z is returned as its chunk mean (`gate_mean`)."""
     a = layer.input_layernorm(x)
     h, z = None, None
     if need_melt:
@@ -59,8 +59,18 @@ def attention_inputs(layer, x, h_prev, cos, sin, first_loop: bool, loop: int, ne
         h = None
     elif mix_weight is not None:
         melt = None
-    # z is read for its statistics only: without a gradient, the backward needs no zeros standing in for one
-    return q, base, melt, h, z.detach() if isinstance(z, Tensor) else z, mixed
+    # z is read for its chunk mean only: reduced inside a compiled step's kernels (eager, the caller reduces it
+    # once, outside the checkpointed step, so that the recompute does not), without a gradient either way, so
+    # the backward needs no zeros standing in for one
+    z = gate_mean(z) if torch.compiler.is_compiling() else z.detach() if isinstance(z, Tensor) else z
+    return q, base, melt, h, z, mixed
+
+
+def gate_mean(z):
+    """The chunk's mean gate value, all that is read of z (training logs it per layer and loop): a 0-dim fp32
+    tensor, so that z [B, c, d] is not kept until the forward ends. A mean already, a float or None passes
+    through."""
+    return z.detach().float().mean() if isinstance(z, Tensor) and z.dim() else z
 
 
 def attention_residual_and_mlp(layer, x, heads, keep_output: bool = True):

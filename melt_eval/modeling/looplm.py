@@ -37,7 +37,7 @@ from melt_eval.modeling import token_step
 from melt_eval.modeling.gates import FixedGate, gate_update
 from melt_eval.modeling.kv_cache import TrainingKVBuffer, policy_for
 from melt_eval.modeling.layer_step import (attention_inputs, attention_inputs_adding_grads, attention_residual_and_mlp,
-                                           attention_residual_and_mlp_adding_grads, compute_dtype)
+                                           attention_residual_and_mlp_adding_grads, compute_dtype, gate_mean)
 
 Tensor = torch.Tensor
 
@@ -286,7 +286,7 @@ class LoopLMModel(nn.Module):
         holds a real token (generation over left-padded rows; None = no padding, and the
         chunk attends bottom-right causally without a mask tensor). Returns the last loop's
         normed hidden state [B, c, d] and, with collect=True, per-loop hidden states,
-        attention outputs (unless collect_attn=False) and gates.
+        attention outputs (unless collect_attn=False) and the gates' chunk means (`gate_mean`).
         """
         cfg = self.config
         x = self.embed_tokens(input_ids)
@@ -314,7 +314,7 @@ class LoopLMModel(nn.Module):
                 if keep_o:
                     attn_outputs[i].append(o)
                 if collect and policy.needs_melt:
-                    gates[i].append(z)
+                    gates[i].append(gate_mean(z))
             x = self.norm(x)  # the next loop's input, and this loop's prediction state
             if collect:
                 loop_hidden.append(x)
@@ -580,7 +580,8 @@ class LoopLMForCausalLM(LoopLMPreTrainedModel):
             return None  # shapes only (a memory projection on the meta device)
         device = next((z.device for per_layer in gates for zs in per_layer for z in zs if isinstance(z, Tensor)), "cpu")
         nan = torch.full((), float("nan"), device=device)
-        means = [torch.stack([torch.as_tensor(z, device=device).detach().float().mean() for z in zs]).mean() if zs
+        # each z is already its chunk's mean (`layer_step.gate_mean`): a 0-dim fp32 tensor or a float
+        means = [torch.stack([torch.as_tensor(z, dtype=torch.float32, device=device) for z in zs]).mean() if zs
                  else nan for per_layer in gates for zs in per_layer]
         return torch.stack(means).view(len(gates), len(gates[0]))
 

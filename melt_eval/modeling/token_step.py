@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from melt_eval.modeling.kv_cache import InterpolatedKV
 from melt_eval.modeling.gates import gate_update
-from melt_eval.modeling.layer_step import attention_residual_and_mlp, compute_dtype
+from melt_eval.modeling.layer_step import attention_residual_and_mlp, compute_dtype, gate_mean
 
 Tensor = torch.Tensor
 
@@ -52,7 +52,7 @@ def token_chunk(layers, norm, loops: int, x, cos, sin, prefix, valid, slot, alph
     a one-token chunk's column; alpha is a 0-dim tensor. Shapes, not values, select the code, so one
     compilation serves every token and every step of the interpolation. Returns norm(h_T) [B, c, d];
     prefix with this chunk's entries written into its columns; and per loop and layer the normed hidden
-    states, attention outputs o and gates z, as `LoopLMModel.run_chunk` collects them.
+    states, attention outputs o and the gates' chunk means, as `LoopLMModel.run_chunk` collects them.
     """
     n_layers, c, L = len(layers), x.shape[1], valid.shape[0]
     states: list[Tensor | None] = [None] * n_layers
@@ -73,7 +73,7 @@ def token_chunk(layers, norm, loops: int, x, cos, sin, prefix, valid, slot, alph
             pk, pv = prefix[i][t if interpolating else 0]
             x, o = attention_residual_and_mlp(layer, x, _attend(q, pk, pv, valid, k, v))
             attn_outputs[i].append(o)
-            gates[i].append(z)
+            gates[i].append(gate_mean(z))
         x = norm(x)
         loop_hidden.append(x)
 
