@@ -297,17 +297,18 @@ def prefix_attention_check(device: torch.device) -> dict:
     def run(c: int, saved_lse: bool):
         torch.manual_seed(0)
         past, store = 512, kv_cache.TrainingKVBuffer(capacity=512 + c)
-        store.write("k", *(torch.randn(1, 4, past, 128, device=device, dtype=torch.bfloat16) for _ in range(2)), 0)
-        q, k, v = (torch.randn(1, 4, c, 128, device=device, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+        store.write("k", torch.randn(2, 1, 4, past, 128, device=device, dtype=torch.bfloat16), 0)
+        q = torch.randn(1, 4, c, 128, device=device, dtype=torch.bfloat16, requires_grad=True)
+        kv = torch.randn(2, 1, 4, c, 128, device=device, dtype=torch.bfloat16, requires_grad=True)
         real = kv_cache._flash_inputs
         kv_cache._flash_inputs = real if saved_lse else (lambda q, k, v: None)
         try:
-            kernel = "flash, log-sum-exp saved" if real(q.detach(), k.detach(), v.detach()) is not None else "recomputed"
-            out = kv_cache._PrefixAttention.apply(q, k, v, torch.zeros((), device=device), store, "k", past)
+            kernel = "flash, log-sum-exp saved" if real(q.detach(), *kv.detach()) is not None else "recomputed"
+            out = kv_cache._PrefixAttention.apply(q, kv, torch.zeros((), device=device), store, "k", past)
             out.backward(torch.randn_like(out))
         finally:
             kv_cache._flash_inputs = real
-        return kernel, [out.detach(), q.grad, k.grad, v.grad, *store.grads["k"]]
+        return kernel, [out.detach(), q.grad, kv.grad, store.grads["k"]]
 
     result = {}
     for c in (1, 64):

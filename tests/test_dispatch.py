@@ -17,15 +17,15 @@ import dispatch  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-# What the step reaches now (docs/results/2026-11-28-dispatch.md); before issue 49: 362.78 per (chunk, layer,
+# What the step reaches now (docs/results/2026-11-29-dispatch.md); before issue 49: 362.78 per (chunk, layer,
 # loop), 8,826 fixed per step, compiled 160.78. Issue 49's aims: <= 200, <= 2,000 and <= 60. An op more fails.
-EAGER_PER_UNIT = 244.22
-FIXED_PER_STEP = 4482
-COMPILED_PER_UNIT = 74.48
+EAGER_PER_UNIT = 235.29
+FIXED_PER_STEP = 4578
+COMPILED_PER_UNIT = 59.19
 # With F.rms_norm counted as the one fused kernel each way that CUDA launches (the CPU's is a composite):
 # what a GPU issues. Both meet the aims.
-NORMS_FUSED_PER_UNIT = 149.47
-NORMS_FUSED_FIXED = 1766
+NORMS_FUSED_PER_UNIT = 140.38
+NORMS_FUSED_FIXED = 1862
 
 
 @pytest.fixture(scope="module")
@@ -83,7 +83,7 @@ def test_the_fused_norm_stand_in_computes_what_rms_norm_computes():
 @pytest.mark.slow
 def test_the_compiled_step_launches_fewer_ops_and_compiles_once_across_chunks():
     section = dispatch.train_section(24, compiled=True, count_layers=(1, 2))
-    assert round(section["per_chunk_layer_loop"]["total"], 2) <= COMPILED_PER_UNIT, section["per_chunk_layer_loop"]
+    assert round(section["per_chunk_layer_loop"]["total"], 2) <= COMPILED_PER_UNIT <= 60, section["per_chunk_layer_loop"]
     assert section["dynamo"]["warm-up"]["unique_graphs"] > 0  # really compiled
     assert section["dynamo"]["warm-up"]["graph_breaks"] == 0
     assert section["dynamo"]["counted_steps"]["unique_graphs"] == 0  # no recompile at a chunk index seen before

@@ -35,6 +35,9 @@ def test_the_decode_step_stays_within_its_op_budgets(counts, kind):
     # the captured step's device-side addressing costs nothing per (layer, loop): its ops are the eager step's
     assert captured["per_layer_loop"] == eager["per_layer_loop"]
     assert 0 < compiled["per_layer_loop"] <= COMPILED[kind] <= 12
-    assert compiled["extern_at_2_layers"]["extern_kernels.mm"] > 0  # the count did read inductor's code
+    # the count did read inductor's code: its matrix products, as a plain GEMM or (frozen weights on the CPU)
+    # oneDNN's prepacked linear
+    gemms = ("extern_kernels.mm", "torch.ops.mkldnn._linear_pointwise.default")
+    assert sum(compiled["extern_at_2_layers"].get(name, 0) for name in gemms) > 0, compiled["extern_at_2_layers"]
     assert stable["positions"] >= 64 and stable["graph_breaks"] == 0 and stable["recompiles"] == 0
     assert stable["frames_compiled"] == 1

@@ -214,7 +214,7 @@ def test_rows_that_stop_at_different_loops_each_keep_their_own_state(models, mon
 
     monkeypatch.setattr(early_exit._Decider, "stops", stops)
     store, policy = _prefilled(model, ids)
-    two = {key: tuple(torch.cat([b, b]) for b in kv) for key, kv in store.buffers.items()}
+    two = {key: torch.cat([kv, kv], dim=1) for key, kv in store.buffers.items()}  # [2, B, KVH, S, hd]: rows on dim 1
     store.buffers = two
     logits, used = early_exit.decode_step(model, torch.tensor([[t] for t in tokens]),
                                           torch.tensor([[len(ids)]] * 2), policy, ("gate", 0.5))

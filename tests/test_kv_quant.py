@@ -425,5 +425,5 @@ def test_attention_reads_through_a_reused_scratch_that_is_not_cache():
         q, k, v = (_x(2, 2, c, 64, seed=seed + s) for s in (10, 20, 30))
         fresh_k, fresh_v = store.entries[key].read_with(150, None, k, v)
         want = chunk_attention(q, fresh_k, fresh_v)
-        assert torch.equal(store.attend(key, q, k, v, 150), want)
+        assert torch.equal(store.attend(key, q, (k, v), 150), want)
     assert store.scratch and store.nbytes == 2 * layout.nbytes(200, 0, bytes_per_value=4)  # 2 rows

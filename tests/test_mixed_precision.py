@@ -82,9 +82,12 @@ def test_a_chunked_training_step_runs_in_bf16(looplm, batch, phase, weights_dtyp
     assert sum(float(g.float().abs().sum()) for g in grads.values()) > 0
 
 
+@pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["eager", "compiled"])
 @pytest.mark.parametrize("phase", [1, 2])
-def test_bf16_gradients_agree_with_fp32_per_parameter_group(looplm, batch, phase):
-    """One micro-batch: the gradient of each optimiser group under bf16 autocast points where fp32's does."""
+def test_bf16_gradients_agree_with_fp32_per_parameter_group(looplm, batch, phase, compiled):
+    """One micro-batch: the gradient of each optimiser group under bf16 autocast points where fp32's does, for the
+    eager step and for the compiled one (`compile: true`: bf16 copies of the matrix weights, gradients added
+    into .grad inside the compiled backward)."""
     recipe, at_step = recipe_for(phase)
     results = {}
     for precision in ("fp32", "bf16"):
@@ -94,6 +97,9 @@ def test_bf16_gradients_agree_with_fp32_per_parameter_group(looplm, batch, phase
             terms, _ = forward_objective(student, teacher, batch, recipe, at_step, **counts(batch))
             terms.total.backward()
         else:
+            if compiled:
+                torch._dynamo.reset()  # graphs of other tests' models count toward the recompile limit
+                student.model.compile_layer_step()
             step(student, teacher, batch, recipe, at_step)
         results[precision] = {g["name"]: torch.cat([p.grad.flatten() for p in g["params"]]) for g in param_groups(student, recipe)}
     assert set(results["fp32"]) == {"base", "gate"}

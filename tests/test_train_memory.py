@@ -163,6 +163,45 @@ def test_compiled_gradients_added_in_place_accumulate_over_micro_batches(looplm,
                 torch.testing.assert_close(got[weight], want[weight], atol=2e-6, rtol=0, msg=f"{name}: {weight}")
 
 
+@pytest.mark.slow
+def test_compiled_step_under_autocast_casts_each_weight_once_per_optimizer_step(random_looplm, batch):
+    """Under bf16 autocast the in-place compiled step computes with bf16 copies of the layer's matrix weights, made
+    when a weight changes (`LoopLMModel._stand_ins`) instead of cast inside every compiled (chunk, loop) step: each
+    copy is autocast's cast of the weight as it is now, and over two optimizer steps the losses follow the eager
+    step's (a copy left stale by the first step would repeat the first loss)."""
+    teacher = random_looplm(0.1, torch.float32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                            head_dim=16, hidden_size=64, intermediate_size=96, loops=3)
+    recipe, step = recipe_at(0.3, 3, 0.1)
+    counts = loss_counts(batch)
+    losses, students = {}, {}
+    for name in ("eager", "compiled"):
+        student = MeltForCausalLM.from_looplm(teacher, gate="elementwise", seed=1).train()
+        student.gradient_checkpointing_enable()
+        if name == "compiled":
+            student.model.compile_layer_step()
+        optimizer = torch.optim.SGD([p for p in student.parameters() if p.requires_grad], lr=0.5)
+        losses[name] = []
+        for _ in range(2):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                terms, _ = forward_objective(student, teacher, batch, recipe, step, **counts)
+            terms.total.backward()
+            losses[name].append(terms.total.item())
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        students[name] = student
+    (e1, e2), (c1, c2) = losses["eager"], losses["compiled"]
+    assert abs(e2 - e1) > 1e-2  # the step moved the loss
+    assert abs(c1 - e1) < 0.05 * abs(e2 - e1) and abs(c2 - e2) < 0.05 * abs(e2 - e1), losses
+    student = students["compiled"]
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # one more forward, after the second step
+        forward_objective(student, teacher, batch, recipe, step, **counts)
+    held = student.model._working_weights
+    matrices = [p for layer in student.model.layers for p in layer.parameters() if p.requires_grad and p.dim() == 2]
+    assert set(held) == set(matrices)
+    for p in matrices:
+        assert held[p][1].dtype == torch.bfloat16 and torch.equal(held[p][1], p.detach().to(torch.bfloat16))
+
+
 def test_final_mixes_differentiate_as_separate_lerps():
     """`_MixFinals` (a chunk's 2 N T phase-1 mixes in a few multi-tensor kernels) gives each lerp's output, and
     the gradients autograd gives lerp by lerp, each final MELT entry summing the gradients of its T mixes."""
@@ -204,14 +243,14 @@ def test_prefix_attention_backward_reuses_the_forwards_log_sum_exp(monkeypatch, 
     def run():
         torch.manual_seed(0)
         past, store = 5, kv_cache.TrainingKVBuffer(capacity=5 + c)
-        store.write("k", torch.randn(2, 2, past, 16), torch.randn(2, 2, past, 16), 0)
-        q, k, v = (torch.randn(2, 2, c, 16, requires_grad=True) for _ in range(3))
+        store.write("k", torch.randn(2, 2, 2, past, 16), 0)
+        q, kv = torch.randn(2, 2, c, 16, requires_grad=True), torch.randn(2, 2, 2, c, 16, requires_grad=True)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-            out = kv_cache._PrefixAttention.apply(q, k, v, torch.zeros(()), store, "k", past)
+            out = kv_cache._PrefixAttention.apply(q, kv, torch.zeros(()), store, "k", past)
         ops = Ops()
         with ops:
             out.backward(torch.randn_like(out))
-        return out, [q.grad, k.grad, v.grad, *store.grads["k"]], ops.names
+        return out, [q.grad, kv.grad, store.grads["k"]], ops.names
 
     out, grads, ops = run()
     assert not any(name.startswith("_scaled_dot_product_flash_attention_for_cpu.") for name in ops), ops
@@ -239,14 +278,15 @@ def test_prefix_attention_calls_cudas_flash_kernels_as_sdpa_does(monkeypatch, c)
         monkeypatch.setattr(kv_cache, name, lambda *a, _real=real, _name=name: calls.append(_name) or _real(*a))
     monkeypatch.setattr(kv_cache, "chunk_attention", lambda *a, **k: pytest.fail("the attention was recomputed"))
     past, store = 5, kv_cache.TrainingKVBuffer(capacity=5 + c)
-    store.write("k", *(torch.empty(2, 2, past, 64, device="meta", dtype=torch.bfloat16) for _ in range(2)), 0)
-    q, k, v = (torch.empty(2, 2, c, 64, device="meta", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
-    out = kv_cache._PrefixAttention.apply(q, k, v, torch.zeros((), device="meta"), store, "k", past)
+    store.write("k", torch.empty(2, 2, 2, past, 64, device="meta", dtype=torch.bfloat16), 0)
+    q = torch.empty(2, 2, c, 64, device="meta", dtype=torch.bfloat16, requires_grad=True)
+    kv = torch.empty(2, 2, 2, c, 64, device="meta", dtype=torch.bfloat16, requires_grad=True)
+    out = kv_cache._PrefixAttention.apply(q, kv, torch.zeros((), device="meta"), store, "k", past)
     out.backward(torch.empty_like(out))
     assert out.shape == q.shape and out.dtype == torch.bfloat16
-    for t in (q, k, v):
+    for t in (q, kv):
         assert t.grad.shape == t.shape and t.grad.dtype == torch.bfloat16
-    assert store.grads["k"][0].shape == (2, 2, past + c, 64)
+    assert store.grads["k"].shape == (2, 2, 2, past + c, 64)
     assert calls == ["_flash_forward", "_flash_backward"]
 
 

@@ -86,9 +86,8 @@ class DecodeStep:
             options["backend"] = backend
         if mode == "graphed":
             options["mode"] = "reduce-overhead"
-            for kb, vb in self.store.buffers.values():  # written in place by the graph: the same address at every replay
-                torch._dynamo.mark_static_address(kb)
-                torch._dynamo.mark_static_address(vb)
+            for buffer in self.store.buffers.values():  # written in place by the graph: the same address at every replay
+                torch._dynamo.mark_static_address(buffer)
             torch._dynamo.mark_static_address(self.column)
         self.fn = torch.compile(_logits, **options)
         self.inductor_config = frozen_weights_config(model) if backend in (None, "inductor") else {}

@@ -115,7 +115,7 @@ def decode_step(model, tokens: Tensor, position_ids: Tensor, policy, rule: tuple
     for t in range(T):
         everyone = rows.numel() == B  # nothing gathered while no row has stopped
         for i, layer in enumerate(inner.layers):
-            q, base, melt, h, _, _ = inner.attention_inputs(
+            q, base, melt, h, _, _, x = inner.attention_inputs(
                 layer, x, states[i], cos, sin, t == 0, t + 1, policy.needs_base, policy.needs_melt, kv_sharing)
             key, kv = policy.key_value(i, t, base, melt)
             heads = (policy.attend(key, q, kv, past, None, mask) if everyone

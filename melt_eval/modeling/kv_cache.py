@@ -10,8 +10,8 @@ final entries permanent and moves the fill pointer.
 
 Two stores, one rule:
 
-- `TrainingKVBuffer` (teacher-forced forward, training): one preallocated [B, kv_heads, L,
-  head_dim] buffer per key. Earlier tokens are read in place, never copied, so the
+- `TrainingKVBuffer` (teacher-forced forward, training): one preallocated [2, B, kv_heads, L,
+  head_dim] buffer per key (keys, then values). Earlier tokens are read in place, never copied, so the
   activation memory of chunk-wise training is O(L) whatever the number of chunks. The
   autograd link from a chunk's attention back to the earlier chunks that produced its
   prefix goes through a gradient buffer (`_PrefixAttention`, `_Commit`), like
@@ -20,6 +20,13 @@ Two stores, one rule:
   hands its slots' gradient to the tensors it stored. A token threaded from each commit
   into every later attention orders the backward so a commit runs after all its readers.
 - `StaticStore` (generation): preallocated buffers with batch-row views, no autograd.
+
+An entry (a chunk's keys and values for one key) is one [2, B, kv_heads, c, head_dim] tensor, k then v
+(`entry`, `LoopLMAttention.queries_and_keys`): written with one copy, mixed with one lerp, and differentiated as
+one tensor, so the chunked step launches one kernel where a (k, v) pair would take two. `k, v = entry` unpacks
+it into views. Entries and the training store are laid out token-major in memory ([c, 2, B, kv_heads,
+head_dim]): any token range of them is one dense block, so a chunk's gradient is a slice of the attention's
+gradient that the step which made the entry takes without a copy, and the prefix's is added in one op.
 
 Keys: `(layer, loop)` for a per-loop cache (Ouro: T x N entries per token), `layer` for a
 shared cache (MELT: N entries per token), `("mix", layer, loop)` for phase 1's
@@ -162,12 +169,25 @@ def _flash_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, saved: tu
 _SAVED = object()  # marks the saved tensors' places among a flash kernel's backward arguments
 
 
-class _PrefixAttention(torch.autograd.Function):
-    """A chunk's attention over the stored prefix (read in place) and its own k, v.
+def entry(k: Tensor, v: Tensor) -> Tensor:
+    """k, v [B, KVH, c, hd] as one entry [2, B, KVH, c, hd], token-major in memory ([c, 2, B, KVH, hd])."""
+    return torch.stack([k.permute(2, 0, 1, 3), v.permute(2, 0, 1, 3)], dim=1).permute(1, 2, 3, 0, 4)
 
-    Saves the chunk's q, k, v and, where SDPA would run a flash kernel, that kernel's output and
-    log-sum-exp. The backward writes k, v back into the chunk's own slots (later loops and the commit
-    overwrote them; every later chunk, the only readers of these slots, has finished its backward by now),
+
+def _token_major(shape, like: Tensor, dtype: torch.dtype | None = None) -> Tensor:
+    """An uninitialised tensor of logical shape [..., 2, B, KVH, S, hd], token-major in memory ([S, ..., hd])."""
+    *lead, s, hd = shape
+    n = len(lead)
+    return like.new_empty((s, *lead, hd), dtype=dtype or like.dtype).permute(*range(1, n + 1), 0, n + 1)
+
+
+class _PrefixAttention(torch.autograd.Function):
+    """A chunk's attention over the stored prefix (read in place) and its own entry kv [2, B, KVH, c, hd].
+
+    Saves the chunk's q, kv and, where SDPA would run a flash kernel, that kernel's output and
+    log-sum-exp. The backward writes kv back into the chunk's own slots unless they hold it already
+    (checkpointing's recompute of the step has just written it; without checkpointing, later loops and the
+    commit overwrote them; every later chunk, the only readers of these slots, has finished its backward by now),
     so the attention's keys are again the buffer's first past + c slots, read in place without
     concatenating the prefix. With the log-sum-exp saved it calls the kernel's backward, the op SDPA's own
     autograd calls, so the gradients are the same bits without running the attention again; otherwise (GQA,
@@ -177,21 +197,21 @@ class _PrefixAttention(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, token, store, key, past):
-        kb, vb = store.write(key, k, v, past)
-        end = past + k.shape[2]
+    def forward(ctx, q, kv, token, store, key, past):
+        end = past + kv.shape[3]
+        kb, vb = store.write(key, kv, past)[:, :, :, :end]
         ctx.store, ctx.key, ctx.past = store, key, past
-        ctx.dtypes = q.dtype, k.dtype, v.dtype
-        flash = _flash_inputs(q, kb[:, :, :end], vb[:, :, :end])
+        ctx.dtypes = q.dtype, kv.dtype
+        flash = _flash_inputs(q, kb, vb)
         if flash is None:
             ctx.flash = None
-            ctx.save_for_backward(q, k, v)
+            ctx.save_for_backward(q, kv)
             ctx.autocast = _autocast_state(q.device.type)
-            return chunk_attention(q, kb[:, :, :end], vb[:, :, :end])
+            return chunk_attention(q, kb, vb)
         q_, k_all, v_all, mask = flash
         out, kept = _flash_forward(q_, k_all, v_all, mask)
         ctx.flash = [_SAVED if isinstance(t, Tensor) else t for t in kept]  # the non-tensors, in place
-        ctx.save_for_backward(q_, k, v, *(t for t in kept if isinstance(t, Tensor)))
+        ctx.save_for_backward(q_, kv, *(t for t in kept if isinstance(t, Tensor)))
         return out
 
     @staticmethod
@@ -200,31 +220,34 @@ class _PrefixAttention(torch.autograd.Function):
         _once(ctx, "attention over the prefix")
         store, key, past = ctx.store, ctx.key, ctx.past
         saved = ctx.saved_tensors  # once: under checkpointing each read unpacks (and a second raises)
-        q, k, v = saved[:3]
-        kb, vb = store.write(key, k.detach(), v.detach(), past)
-        end = past + k.shape[2]
+        q, kv = saved[:2]
+        end = past + kv.shape[3]
+        buffer = store.buffers[key] if store.holds(key, kv, past) else store.write(key, kv.detach(), past)
+        kb, vb = buffer[:, :, :, :end]
         if ctx.flash is not None:
-            tensors = iter(saved[3:])
+            tensors = iter(saved[2:])
             kept = tuple(next(tensors) if t is _SAVED else t for t in ctx.flash)
             # the kernel's q dtype: autocast cast the keys so in the forward
-            k_all, v_all = kb[:, :, :end].to(q.dtype), vb[:, :, :end].to(q.dtype)
-            dq, dk, dv = _flash_backward(grad_out, q, k_all, v_all, kept)
+            dq, dk, dv = _flash_backward(grad_out, q, kb.to(q.dtype), vb.to(q.dtype), kept)
         else:
             device_type, enabled, dtype = ctx.autocast
             amp = torch.autocast(device_type, enabled=enabled, dtype=dtype) if dtype is not None else contextlib.nullcontext()
             with torch.enable_grad(), amp:
                 q_ = q.detach().requires_grad_()
-                k_all = kb[:, :, :end].detach().requires_grad_()  # views of the buffer, no copy
-                v_all = vb[:, :, :end].detach().requires_grad_()
+                k_all, v_all = kb.detach().requires_grad_(), vb.detach().requires_grad_()  # views of the buffer, no copy
                 out = chunk_attention(q_, k_all, v_all)
                 dq, dk, dv = torch.autograd.grad(out, (q_, k_all, v_all), grad_out)
-        gk, gv = store.grad_buffers(key)
-        gk[:, :, :past].add_(dk[:, :, :past])  # (`+=` on a slice would copy the sum onto itself)
-        gv[:, :, :past].add_(dv[:, :, :past])
+        # dk and dv as one gradient over the keys [2, B, KVH, past + c, hd], token-major like the store: its first
+        # past tokens go into the prefix's gradient buffer in one op (`+=` on a slice would copy the sum onto
+        # itself), the rest is the chunk's own gradient, in the layout of its entry (a compiled step that made the
+        # entry copies an incoming gradient of other strides)
+        dkv = entry(dk, dv)
+        store.grad_buffers(key)[:, :, :, :past].add_(dkv[:, :, :, :past])
+        q_dtype, kv_dtype = ctx.dtypes
+        dkv = dkv[:, :, :, past:].to(kv_dtype)
         # the token needs no gradient, only its edge: the engine runs a commit's backward after every node holding
         # an edge to it has run, whether or not the edge carried a gradient
-        q_dtype, k_dtype, v_dtype = ctx.dtypes
-        return dq.to(q_dtype), dk[:, :, past:].to(k_dtype), dv[:, :, past:].to(v_dtype), None, None, None, None
+        return dq.to(q_dtype), dkv, None, None, None, None
 
 
 class _Commit(torch.autograd.Function):
@@ -232,30 +255,29 @@ class _Commit(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, token, store, keys, start, end, *finals):
-        for i, key in enumerate(keys):
-            store.write(key, finals[2 * i], finals[2 * i + 1], start)
+        store.write_all(keys, finals, start)
         ctx.store, ctx.keys, ctx.start, ctx.end = store, keys, start, end
-        ctx.dtypes = [t.dtype for t in finals]
+        ctx.dtype = finals[0].dtype
         return torch.zeros(())
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_token):
         _once(ctx, "commit of a chunk's entries")
-        store, start, end = ctx.store, ctx.start, ctx.end
-        grads = []
-        for i, key in enumerate(ctx.keys):
-            if key not in store.grads:  # no later chunk read this key (a single-chunk pass)
-                grads += [None, None]
-                continue
-            # the slots are handed out, not cleared: every reader has run, and the store lives for one forward
-            gk, gv = store.grads[key]
-            grads += [gk[:, :, start:end].to(ctx.dtypes[2 * i]), gv[:, :, start:end].to(ctx.dtypes[2 * i + 1])]
+        store = ctx.store
+        if store.all_grads is None:  # no later chunk read the entries
+            return (None,) * (5 + len(ctx.keys))
+        # every key's slots in one cast (the keys share one buffer), each key's in its entry's layout. They are handed
+        # out, not cleared: every reader has run, and the store lives for one forward
+        grads = store.all_grads[..., ctx.start : ctx.end, :]  # [keys, 2, B, KVH, c, hd]
+        n, two, b, heads, c, hd = grads.shape
+        slots = grads.new_empty((n, c, two, b, heads, hd), dtype=ctx.dtype).permute(0, 2, 3, 4, 1, 5).copy_(grads)
+        grads = [slots[store.index[key]] for key in ctx.keys]
         return (None, None, None, None, None, *grads)  # the token: an edge for ordering, no gradient (`_PrefixAttention`)
 
 
 class _MixFinals(torch.autograd.Function):
-    """A chunk's final phase-1 entries, lerp(start_j, ends[owner[j]], alpha) for every j (the 2 N T mixes of
+    """A chunk's final phase-1 entries, lerp(start_j, ends[owner[j]], alpha) for every j (the N T mixes of
     `InterpolatedKV`), forward and backward in a few multi-tensor kernels. Differentiated lerp by lerp, the
     backward would take two multiplies per mix and the T - 1 additions that sum each final MELT entry's
     gradients: several hundred kernels a chunk at the paper's depth. Here: one multiply for the starts, and for
@@ -282,73 +304,106 @@ class _MixFinals(torch.autograd.Function):
 
 
 class TrainingKVBuffer:
-    """Per-key buffers [B, kv_heads, capacity, head_dim] for a teacher-forced pass over L tokens."""
+    """Per-key buffers [2, B, kv_heads, capacity, head_dim] (keys, values) for a teacher-forced pass over L tokens.
+
+    The keys a chunk commits share one buffer [keys, 2, B, kv_heads, capacity, head_dim] (`write_all`), and so do
+    their fp32 gradients: a commit writes every key's final entries in one copy, and its backward hands out
+    every key's gradient in one cast, where one per key would be N T (N for a shared cache) per chunk."""
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
-        self.buffers: dict[Hashable, tuple[Tensor, Tensor]] = {}
-        self.grads: dict[Hashable, tuple[Tensor, Tensor]] = {}
+        self.buffers: dict[Hashable, Tensor] = {}  # views of `all_buffers` for the committed keys
+        self.grads: dict[Hashable, Tensor] = {}
+        self.all_buffers: Tensor | None = None
+        self.all_grads: Tensor | None = None
+        self.index: dict[Hashable, int] = {}  # key -> its place in all_buffers
         self.length = 0
         self.token: Tensor | None = None  # output of the latest differentiable commit
+        self.last_write: dict[Hashable, tuple] = {}  # key -> what was written there last (`holds`)
 
-    def write(self, key: Hashable, k: Tensor, v: Tensor, start: int) -> tuple[Tensor, Tensor]:
+    def write(self, key: Hashable, kv: Tensor, start: int) -> Tensor:
+        """The entry kv [2, B, KVH, c, hd] into columns [start, start + c) of the key's buffer, which it returns."""
         if key not in self.buffers:
-            shape = (k.shape[0], k.shape[1], self.capacity, k.shape[3])
-            self.buffers[key] = (k.new_empty(shape), v.new_empty(shape))
-        kb, vb = self.buffers[key]
+            two, b, heads, _, hd = kv.shape
+            self.buffers[key] = _token_major((two, b, heads, self.capacity, hd), kv)
+        buffer = self.buffers[key]
         with torch.no_grad():
-            kb[:, :, start : start + k.shape[2]] = k
-            vb[:, :, start : start + v.shape[2]] = v
-        return kb, vb
+            buffer[:, :, :, start : start + kv.shape[3]] = kv
+        self.last_write[key] = (start, kv.data_ptr(), kv._version, kv.shape)
+        return buffer
 
-    def grad_buffers(self, key: Hashable) -> tuple[Tensor, Tensor]:
+    def holds(self, key: Hashable, kv: Tensor, start: int) -> bool:
+        """Whether the key's last write was kv itself, at `start`: its columns hold kv still. Every write goes
+        through `write`, and a live kv's memory cannot have been another tensor's since kv was written, so an
+        equal address, version and shape mean the same values (no reference is kept: that would hold every
+        chunk's entries alive)."""
+        return self.last_write.get(key) == (start, kv.data_ptr(), kv._version, kv.shape)
+
+    def write_all(self, keys: list, entries, start: int) -> None:
+        """Every key's entry [2, B, KVH, c, hd] into columns [start, start + c) with one stack and one copy. The
+        first call (the first chunk's commit, at start 0) allocates the keys' shared buffer."""
+        if self.all_buffers is None:
+            two, b, heads, _, hd = entries[0].shape
+            self.all_buffers = _token_major((len(keys), two, b, heads, self.capacity, hd), entries[0])
+            self.index = {key: j for j, key in enumerate(keys)}
+            self.buffers.update({key: self.all_buffers[j] for key, j in self.index.items()})
+        if list(self.index) != list(keys):
+            raise RuntimeError(f"a commit of keys {list(keys)[:3]}... into a store holding {list(self.index)[:3]}...: "
+                               "every chunk commits the same keys in the same order")
+        with torch.no_grad():
+            self.all_buffers[..., start : start + entries[0].shape[3], :] = torch.stack(list(entries))
+        for key, kv in zip(keys, entries):
+            self.last_write[key] = (start, kv.data_ptr(), kv._version, kv.shape)
+
+    def grad_buffers(self, key: Hashable) -> Tensor:
         """fp32 whatever the entries' dtype: a prefix slot sums the gradients of every later chunk
         that reads it (L / C of them), which bf16's 8-bit mantissa would round at each addition."""
         if key not in self.grads:
-            kb, vb = self.buffers[key]
-            self.grads[key] = (torch.zeros_like(kb, dtype=torch.float32), torch.zeros_like(vb, dtype=torch.float32))
+            if key in self.index:  # every committed key's gradient at once, in the layout of their shared buffer
+                if self.all_grads is None:
+                    self.all_grads = torch.zeros_like(self.all_buffers, dtype=torch.float32)
+                self.grads[key] = self.all_grads[self.index[key]]
+            else:
+                self.grads[key] = torch.zeros_like(self.buffers[key], dtype=torch.float32)
         return self.grads[key]
 
-    def attend(self, key: Hashable, q: Tensor, k: Tensor, v: Tensor, past: int, token: Tensor | None,
+    def attend(self, key: Hashable, q: Tensor, kv: Tensor, past: int, token: Tensor | None,
                mask: Tensor | None = None) -> Tensor:
         """Attention output heads [B, H, c, hd] of the chunk at columns [past, past + c)."""
-        if past == 0:  # nothing stored before: plain autograd; the slots are filled for later chunks
-            if k.shape[2] < self.capacity:  # a single-chunk pass (the teacher's) has no later chunk to read them
-                self.write(key, k.detach(), v.detach(), 0)
+        end = past + kv.shape[3]
+        if past == 0:  # nothing stored before: plain autograd; the chunk's commit fills the slots for later chunks
+            k, v = kv  # (an unbind: its backward stacks the two gradients in one op)
             return chunk_attention(q, k, v)
         if token is None:  # no graph to link (no grad, or a prefix that needs none)
-            kb, vb = self.write(key, k, v, past)
-            return chunk_attention(q, kb[:, :, : past + k.shape[2]], vb[:, :, : past + v.shape[2]])
-        return _PrefixAttention.apply(q, k, v, token, self, key, past)
+            k, v = self.write(key, kv, past)[:, :, :, :end]
+            return chunk_attention(q, k, v)
+        return _PrefixAttention.apply(q, kv, token, self, key, past)
 
-    def commit(self, finals: dict[Hashable, tuple[Tensor, Tensor]], c: int) -> None:
+    def commit(self, finals: dict[Hashable, Tensor], c: int) -> None:
         """The chunk's final entries become the prefix of later chunks."""
         start = self.length
         self.length += c
         if self.length >= self.capacity:
             return  # the last chunk: nobody reads its entries
         keys = list(finals)
-        flat = [t for key in keys for t in finals[key]]
-        if torch.is_grad_enabled() and any(t.requires_grad for t in flat):
-            self.token = _Commit.apply(self.token, self, keys, start, self.length, *flat)
+        entries = [finals[key] for key in keys]
+        if torch.is_grad_enabled() and any(kv.requires_grad for kv in entries):
+            self.token = _Commit.apply(self.token, self, keys, start, self.length, *entries)
         else:
-            for key in keys:
-                self.write(key, *finals[key], start)
+            self.write_all(keys, entries, start)
 
     @property
     def nbytes(self) -> int:
-        return sum(k.nbytes + v.nbytes for k, v in self.buffers.values())
+        shared = 0 if self.all_buffers is None else self.all_buffers.nbytes
+        return shared + sum(buffer.nbytes for key, buffer in self.buffers.items() if key not in self.index)
 
 
 class StaticStore:
-    """Preallocated buffers [B, kv_heads, capacity, head_dim] per key; for generation."""
+    """Preallocated buffers [2, B, kv_heads, capacity, head_dim] (keys, values) per key; for generation."""
 
     def __init__(self, keys, batch: int, kv_heads: int, capacity: int, head_dim: int, dtype, device) -> None:
-        shape = (batch, kv_heads, capacity, head_dim)
-        self.buffers = {
-            key: (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
-            for key in keys
-        }
+        shape = (2, batch, kv_heads, capacity, head_dim)
+        self.buffers = {key: torch.zeros(shape, dtype=dtype, device=device) for key in keys}
         self.capacity = capacity
         self.length = 0
         self.token = None
@@ -357,47 +412,45 @@ class StaticStore:
     def view_of(cls, other: "StaticStore", rows: slice, start: int) -> "StaticStore":
         """A store writing into `other`'s buffers, rows `rows`, columns from `start` on."""
         store = cls.__new__(cls)
-        store.buffers = {key: (k[rows, :, start:], v[rows, :, start:]) for key, (k, v) in other.buffers.items()}
+        store.buffers = {key: buffer[:, rows, :, start:] for key, buffer in other.buffers.items()}
         store.capacity = other.capacity - start
         store.length = 0
         store.token = None
         return store
 
-    def write(self, key: Hashable, k: Tensor, v: Tensor, start: int) -> tuple[Tensor, Tensor]:
-        end = start + k.shape[2]
+    def write(self, key: Hashable, kv: Tensor, start: int) -> Tensor:
+        """The entry kv [2, B, KVH, c, hd] into columns [start, start + c) of the key's buffer, which it returns."""
+        end = start + kv.shape[3]
         if end > self.capacity:
             raise RuntimeError(f"KV cache full: {end} > capacity {self.capacity}")
-        kb, vb = self.buffers[key]
-        kb[:, :, start:end] = k
-        vb[:, :, start:end] = v
-        return kb, vb
+        buffer = self.buffers[key]
+        buffer[:, :, :, start:end] = kv
+        return buffer
 
-    def attend(self, key: Hashable, q: Tensor, k: Tensor, v: Tensor, past: int | Tensor, token=None,
+    def attend(self, key: Hashable, q: Tensor, kv: Tensor, past: int | Tensor, token=None,
                mask: Tensor | None = None) -> Tensor:
         if isinstance(past, Tensor):  # one token at a device-side column [1] (`DeviceAddressedKV`)
-            kb, vb = self.buffers[key]
-            kb.index_copy_(2, past, k)
-            vb.index_copy_(2, past, v)
-            return chunk_attention(q, kb, vb, mask)  # the whole capacity: `mask` hides what is not a key yet
-        kb, vb = self.write(key, k, v, past)
-        end = past + k.shape[2]
-        return chunk_attention(q, kb[:, :, :end], vb[:, :, :end], mask)
+            buffer = self.buffers[key]
+            buffer.index_copy_(3, past, kv)
+            k, v = buffer
+            return chunk_attention(q, k, v, mask)  # the whole capacity: `mask` hides what is not a key yet
+        k, v = self.write(key, kv, past)[:, :, :, : past + kv.shape[3]]
+        return chunk_attention(q, k, v, mask)
 
     def view(self, key: Hashable) -> tuple[Tensor, Tensor]:
-        kb, vb = self.buffers[key]
-        return kb[:, :, : self.length], vb[:, :, : self.length]
+        k, v = self.buffers[key][:, :, :, : self.length]
+        return k, v
 
     def copy_rows(self, src: int, dst: slice) -> None:
-        for kb, vb in self.buffers.values():
-            kb[dst] = kb[src]
-            vb[dst] = vb[src]
+        for buffer in self.buffers.values():
+            buffer[:, dst] = buffer[:, src, None]  # row src over rows dst, keys and values at once
 
     def commit(self, finals, c: int) -> None:
         self.length += c  # the slots already hold the last loop's (final) entries
 
     @property
     def nbytes(self) -> int:
-        return sum(k.nbytes + v.nbytes for k, v in self.buffers.values())
+        return sum(buffer.nbytes for buffer in self.buffers.values())
 
 
 # --- policies: which entries a chunk attends to at (layer, loop) -------------------------------
@@ -427,7 +480,7 @@ class PerLoopKV:
         self.finals[(layer, loop)] = base
 
     def attend(self, key, q, kv, past, token, mask=None) -> Tensor:
-        return self.store.attend(key, q, *kv, past, token, mask)
+        return self.store.attend(key, q, kv, past, token, mask)
 
     def advance(self, c: int) -> None:
         self.store.commit(self.finals, c)
@@ -456,9 +509,9 @@ class SharedKV(PerLoopKV):
         if self.exit_loops is None or layer not in self.finals:
             self.finals[layer] = melt  # the last loop's write wins (loop 0 always writes: every exit is >= 1)
             return
-        past, c = self.store.length, melt[0].shape[2]
+        past, c = self.store.length, melt.shape[3]
         ran = (self.exit_loops[:, past : past + c] > loop)[:, None, :, None]  # [B, 1, c, 1]: still looping at loop
-        self.finals[layer] = tuple(torch.where(ran, new, kept) for new, kept in zip(melt, self.finals[layer]))
+        self.finals[layer] = torch.where(ran, melt, self.finals[layer])
 
 
 class InterpolatedKV(PerLoopKV):
@@ -478,18 +531,18 @@ class InterpolatedKV(PerLoopKV):
 
     def _mix_all(self, melt_final: dict) -> dict:
         """{("mix", layer, loop): the chunk's final MELT entry of the layer mixed with its loop-`loop` base entry},
-        each equal to `gates.mix`'s, all 2 N T of them in one `_foreach_lerp` (`_MixFinals`). On CUDA that is one
+        each equal to `gates.mix`'s, all N T of them in one `_foreach_lerp` (`_MixFinals`). On CUDA that is one
         multi-tensor kernel where the entries are dense, as the compiled step outputs them; the eager step's are
         views with gaps, for which torch runs one kernel per tensor."""
         keys, layers = list(self.base), list(melt_final)
-        starts = [e for key in keys for e in self.base[key]]
-        ends = [e for layer in layers for e in melt_final[layer]]
-        owner = [2 * layers.index(layer) + kv for layer, _ in keys for kv in (0, 1)]
+        starts = [self.base[key] for key in keys]
+        ends = [melt_final[layer] for layer in layers]
+        owner = [layers.index(layer) for layer, _ in keys]
         if torch.is_grad_enabled() and any(t.requires_grad for t in starts + ends):
             mixed = _MixFinals.apply(self.alpha, owner, len(starts), *starts, *ends)
         else:
             mixed = torch._foreach_lerp(starts, [ends[o] for o in owner], self.alpha)
-        return {("mix", *key): (mixed[2 * n], mixed[2 * n + 1]) for n, key in enumerate(keys)}
+        return {("mix", *key): kv for key, kv in zip(keys, mixed)}
 
     def key_value(self, layer, loop, base, melt, mixed=None):
         if mixed is None:  # the layer step mixes the chunk's entries itself (`attention_inputs`, `mix_weight`)
@@ -536,7 +589,7 @@ class DeviceAddressedKV:
         pass  # a static store's slot already holds the last loop's (final) entry
 
     def attend(self, key, q, kv, past, token, mask=None) -> Tensor:
-        return self.store.attend(key, q, *kv, past, token, mask)
+        return self.store.attend(key, q, kv, past, token, mask)
 
     def advance(self, c: int) -> None:
         pass  # outside the captured step: `DecodeStep` moves the store's length and the column
@@ -564,9 +617,8 @@ class PromptPerLoopThenSharedKV:
     def attend(self, key, q, kv, past, token, mask=None) -> Tensor:
         layer, loop = key
         pk, pv = self.prompt_store.view((layer, loop))
-        gk, gv = self.gen_store.write(layer, *kv, self.gen_store.length)
-        end = self.gen_store.length + kv[0].shape[2]
-        k, v = torch.cat([pk, gk[:, :, :end]], dim=2), torch.cat([pv, gv[:, :, :end]], dim=2)
+        gk, gv = self.gen_store.write(layer, kv, self.gen_store.length)[:, :, :, : self.gen_store.length + kv.shape[3]]
+        k, v = torch.cat([pk, gk], dim=2), torch.cat([pv, gv], dim=2)
         return chunk_attention(q, k, v, mask)
 
     def advance(self, c: int) -> None:

@@ -271,8 +271,9 @@ class QuantizedStore:
     def _base(self, key: Hashable) -> "_Entry | None":
         return self.entries[(key[0], 0)] if self.layout.cross_loop and key[1] > 0 else None
 
-    def attend(self, key: Hashable, q: Tensor, k: Tensor, v: Tensor, past: int, token=None,
+    def attend(self, key: Hashable, q: Tensor, kv: Tensor, past: int, token=None,
                mask: Tensor | None = None) -> Tensor:
+        k, v = kv
         end = self.offset + past
         if end + k.shape[2] > self.capacity:
             raise RuntimeError(f"KV cache full: {end + k.shape[2]} > capacity {self.capacity}")

@@ -41,7 +41,11 @@ def attention_inputs(layer, x, h_prev, cos, sin, first_loop: bool, loop: int, ne
 
     Outputs nobody reads are None, since a compiled backward builds a zero gradient for each: the state h after
     the last loop (`last_loop`), and when interpolating, MELT's entries before the last loop (only the final ones
-    are kept; the step's own are read through the mix). Compiled, z is returned as its chunk mean (`gate_mean`)."""
+    are kept; the step's own are read through the mix). Compiled, z is returned as its chunk mean (`gate_mean`).
+
+    The last output is x for the residual after the attention: x itself eager; compiled, a copy made in the
+    norm's kernel, so that x's two gradients (through the norm here, through the residual) meet inside this
+    step's compiled backward rather than in one more autograd addition per (layer, loop)."""
     a = layer.input_layernorm(x)
     h, z = None, None
     if need_melt:
@@ -49,12 +53,11 @@ def attention_inputs(layer, x, h_prev, cos, sin, first_loop: bool, loop: int, ne
     q, entries = layer.self_attn.queries_and_keys(a, ([a] if need_base else []) + ([h] if need_melt else []), cos, sin)
     base = entries.pop(0) if need_base else None
     melt = entries.pop(0) if need_melt else None
-    mixed = None if mix_weight is None else (mix(base[0], melt[0], mix_weight), mix(base[1], melt[1], mix_weight))
+    mixed = None if mix_weight is None else mix(base, melt, mix_weight)
     if torch.compiler.is_compiling():
-        # the compiled backward copies every incoming gradient whose strides differ from its output's, and the
-        # entries' gradients come back contiguous; in the compiled kernels these layouts cost no extra pass
-        base, melt = (None if e is None else tuple(t.contiguous() for t in e) for e in (base, melt))
-        q = q.transpose(1, 2).contiguous().transpose(1, 2)  # dq comes back dense in [B, c, H, hd] memory
+        # the compiled backward copies every incoming gradient whose strides differ from its output's; the entries'
+        # gradients come back in the entries' own layout (`kv_cache.entry`), dq dense in [B, c, H, hd] memory
+        q = q.transpose(1, 2).contiguous().transpose(1, 2)
     if last_loop:
         h = None
     elif mix_weight is not None:
@@ -63,7 +66,8 @@ def attention_inputs(layer, x, h_prev, cos, sin, first_loop: bool, loop: int, ne
     # once, outside the checkpointed step, so that the recompute does not), without a gradient either way, so
     # the backward needs no zeros standing in for one
     z = gate_mean(z) if torch.compiler.is_compiling() else z.detach() if isinstance(z, Tensor) else z
-    return q, base, melt, h, z, mixed
+    residual = x.clone() if torch.compiler.is_compiling() else x
+    return q, base, melt, h, z, mixed, residual
 
 
 def gate_mean(z):
@@ -73,13 +77,16 @@ def gate_mean(z):
     return z.detach().float().mean() if isinstance(z, Tensor) and z.dim() else z
 
 
-def attention_residual_and_mlp(layer, x, heads, keep_output: bool = True):
-    """The step after attention: x + norm(o_proj(heads)), then the sandwich-norm MLP residual. Returns the new x
-    and, with keep_output, the attention output o (the align loss reads it; an output nobody reads would get a
-    zero gradient built for it in a compiled backward)."""
+def attention_residual_and_mlp(layer, x, heads, keep_output: bool = True, final_norm=None):
+    """The step after attention: x + norm(o_proj(heads)), then the sandwich-norm MLP residual, then `final_norm`
+    if given (the model's norm after a loop's last layer). Returns the new x and, with keep_output, the attention
+    output o (the align loss reads it; an output nobody reads would get a zero gradient built for it in a
+    compiled backward)."""
     o = layer.self_attn.output(heads)
     x = x + layer.input_layernorm_2(o)
     x = x + layer.post_attention_layernorm_2(layer.mlp(layer.post_attention_layernorm(x)))
+    if final_norm is not None:
+        x = final_norm(x)
     return x, o if keep_output else None
 
 
@@ -99,18 +106,20 @@ class _AddGradInto(torch.autograd.Function):
         return None, None
 
 
-def _run_adding_grads(part, layer, grads: dict[str, Tensor], args: tuple):
-    """`part(layer, *args)` whose backward adds each weight's gradient into `grads[name]` (the parameters' own
-    `.grad`: `LoopLMModel.grads_in_place`) instead of returning it. The layer runs with stand-ins for its
-    weights, through its forward (`LoopLMDecoderLayer.forward(part, *args)`) and torch.func.functional_call."""
-    weights = {name: _AddGradInto.apply(p, grads[name]) for name, p in layer.named_parameters() if name in grads}
+def _run_adding_grads(part, layer, stand_ins: dict[str, tuple[Tensor, Tensor]], args: tuple):
+    """`part(layer, *args)` with `stand_ins[name]` = (weight, grad) for the layer's trainable weights: the layer
+    computes with `weight` (the parameter, or its copy in autocast's dtype: `LoopLMModel._stand_ins`), and the
+    backward adds its gradient into `grad` (the parameter's own `.grad`: `LoopLMModel.grads_in_place`) instead
+    of returning it. The layer runs through its forward (`LoopLMDecoderLayer.forward(part, *args)`) and
+    torch.func.functional_call."""
+    weights = {name: _AddGradInto.apply(weight, grad) for name, (weight, grad) in stand_ins.items()}
     return torch.func.functional_call(layer, weights, (part, *args))
 
 
 # One function each, as torch.compile keeps compiled graphs per function (a shared closure would share one cache)
-def attention_inputs_adding_grads(layer, grads, *args):
-    return _run_adding_grads(attention_inputs, layer, grads, args)
+def attention_inputs_adding_grads(layer, stand_ins, *args):
+    return _run_adding_grads(attention_inputs, layer, stand_ins, args)
 
 
-def attention_residual_and_mlp_adding_grads(layer, grads, *args):
-    return _run_adding_grads(attention_residual_and_mlp, layer, grads, args)
+def attention_residual_and_mlp_adding_grads(layer, stand_ins, *args):
+    return _run_adding_grads(attention_residual_and_mlp, layer, stand_ins, args)

@@ -35,7 +35,7 @@ from torch.utils.checkpoint import checkpoint
 from melt_eval.cache_layout import KV_SHARING, CacheLayout, layout_of  # noqa: F401 (KV_SHARING: the public name)
 from melt_eval.modeling import token_step
 from melt_eval.modeling.gates import FixedGate, gate_update
-from melt_eval.modeling.kv_cache import TrainingKVBuffer, policy_for
+from melt_eval.modeling.kv_cache import TrainingKVBuffer, entry, policy_for
 from melt_eval.modeling.layer_step import (attention_inputs, attention_inputs_adding_grads, attention_residual_and_mlp,
                                            attention_residual_and_mlp_adding_grads, compute_dtype, gate_mean)
 
@@ -187,11 +187,12 @@ class LoopLMAttention(nn.Module):
         return apply_rope(k.transpose(1, 2), cos, sin), v.transpose(1, 2)
 
     def queries_and_keys(self, a: Tensor, kv_inputs: list[Tensor], cos: Tensor, sin: Tensor):
-        """`query(a)` and `key_value(h)` for each h of `kv_inputs`, with RoPE applied to q and every k in one pass
-        over their concatenated heads: the same numbers, but one swap, multiply and multiply-add per step
-        instead of one per tensor (the chunked training step is bound by the number of kernels it launches).
-        RoPE runs in the projections' [B, c, heads, hd] layout: q keeps it, and SDPA's output follows q's
-        layout, so `output` reshapes it without a copy."""
+        """`query(a)` and, for each h of `kv_inputs`, `key_value(h)` as one entry [2, B, KVH, c, hd] (k then v,
+        token-major: one write, one lerp and one gradient per entry, `kv_cache.entry`). RoPE is applied to q
+        and every k in one pass over their concatenated heads: the same numbers, but one swap, multiply and
+        multiply-add per step instead of one per tensor (the chunked training step is bound by the number of
+        kernels it launches). RoPE runs in the projections' [B, c, heads, hd] layout: q keeps it, and SDPA's
+        output follows q's layout, so `output` reshapes it without a copy."""
         b, c, _ = a.shape
         q = self.q_proj(a).view(b, c, self.num_heads, self.head_dim)
         # several inputs (phase 1: a_t for the base entries, h_t for MELT's) go through kv_proj as one [B, n c, d]
@@ -202,7 +203,7 @@ class LoopLMAttention(nn.Module):
         vs = [v.transpose(1, 2) for v in values.split(c, dim=1)]
         rotated = apply_rope(torch.cat([q, *ks], dim=2), cos.transpose(1, 2), sin.transpose(1, 2))  # [B, c, H + n KVH, hd]
         q, *ks = (t.transpose(1, 2) for t in rotated.split([q.shape[2]] + [k.shape[2] for k in ks], dim=2))
-        return q, list(zip(ks, vs))
+        return q, [entry(k, v) for k, v in zip(ks, vs)]
 
     def output(self, heads: Tensor) -> Tensor:
         """o_proj of the attention heads [B, H, c, hd] -> [B, c, d]."""
@@ -268,6 +269,7 @@ class LoopLMModel(nn.Module):
         self.attention_inputs, self.attention_residual_and_mlp = attention_inputs, attention_residual_and_mlp
         self.layer_step_compiled = False
         self.grads_in_place = False  # set by compile_layer_step: the compiled parts add weight gradients into .grad
+        self._working_weights: dict[nn.Parameter, tuple] = {}  # autocast-dtype copies for the compiled parts (`_stand_ins`)
 
     def run_chunk(
         self,
@@ -315,7 +317,8 @@ class LoopLMModel(nn.Module):
                     attn_outputs[i].append(o)
                 if collect and policy.needs_melt:
                     gates[i].append(gate_mean(z))
-            x = self.norm(x)  # the next loop's input, and this loop's prediction state
+            # x is normed by the loop's last layer step (`_layer_step`): the next loop's input, and this loop's
+            # prediction state
             if collect:
                 loop_hidden.append(x)
         policy.advance(input_ids.shape[1])
@@ -328,31 +331,45 @@ class LoopLMModel(nn.Module):
         The parts before and after the attention are pure tensor code (`attention_inputs`,
         `attention_residual_and_mlp`), which `compile_layer_step` hands to torch.compile; the
         attention itself reads and writes the KV store, so it stays eager between them."""
-        grads = self._grads_of(layer) if self.grads_in_place and torch.is_grad_enabled() else None
-        if grads is None:
-            before, after, with_grads = self.attention_inputs, self.attention_residual_and_mlp, ()
+        if self.grads_in_place and torch.is_grad_enabled():
+            (before, after), with_grads = self._parts_adding_grads, (self._stand_ins(layer, compute_dtype(x)),)
         else:
-            (before, after), with_grads = self._parts_adding_grads, (grads,)
-        q, base, melt, h, z, mixed = before(
+            before, after, with_grads = self.attention_inputs, self.attention_residual_and_mlp, ()
+        q, base, melt, h, z, mixed, residual = before(
             layer, *with_grads, x, h_prev, cos, sin, t == 0, t + 1, policy.needs_base, policy.needs_melt, kv_sharing,
             mix_weight, t == self.config.total_ut_steps - 1,
         )
         key, kv = policy.key_value(i, t, base, melt, mixed)
-        x, o = after(layer, *with_grads, x, policy.attend(key, q, kv, past, token, mask), keep_o)
+        # the loop's last layer applies the model's norm, within the step so that a compiled step fuses it
+        final_norm = self.norm if i == len(self.layers) - 1 else None
+        x, o = after(layer, *with_grads, residual, policy.attend(key, q, kv, past, token, mask), keep_o, final_norm)
         return x, h, o, z, base, melt
 
-    @staticmethod
-    def _grads_of(layer) -> dict[str, Tensor]:
-        """The .grad of each of the layer's trainable weights, zeros where the optimizer set it to None: the
-        compiled parts add into these tensors (`layer_step._run_adding_grads`), which the optimizer and clipping
-        read as usual."""
-        grads = {}
+    def _stand_ins(self, layer, dtype: torch.dtype) -> dict[str, tuple[Tensor, Tensor]]:
+        """For each of the layer's trainable weights, (what the compiled parts compute with, its `.grad`), for
+        `layer_step._run_adding_grads`.
+
+        `.grad` is allocated as zeros where the optimizer set it to None; the compiled backward adds into it, and
+        the optimizer and clipping read it as usual. Under autocast a matrix weight is computed with in
+        autocast's dtype: a copy cast once per optimizer step (when the weight's version moves), held in
+        `_working_weights`, instead of a cast inside every compiled (chunk, loop) step and its recompute. It is
+        autocast's own cast, bit for bit; for the eager step autocast's cache does the same
+        (`training.step.weight_casts_kept`). fp32 weights (no autocast), norms and biases are used as they are."""
+        stand_ins = {}
         for name, p in layer.named_parameters():
-            if p.requires_grad:
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
-                grads[name] = p.grad
-        return grads
+            if not p.requires_grad:
+                continue
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            weight = p
+            if p.dim() == 2 and p.dtype != dtype:
+                version = (p._version, p.data_ptr(), dtype)
+                held = self._working_weights.get(p)
+                if held is None or held[0] != version:
+                    held = self._working_weights[p] = (version, p.detach().to(dtype).requires_grad_())
+                weight = held[1]
+            stand_ins[name] = (weight, p.grad)
+        return stand_ins
 
     def compile_layer_step(self, grads_in_place: bool = True, **compile_kwargs) -> None:
         """torch.compile the pure parts of every (layer, loop) step: norms, projections, RoPE,
