@@ -41,6 +41,18 @@ def test_alpha_zero_is_the_looplm(looplm, ids, gate, chunk):
     torch.testing.assert_close(got, expected, atol=ATOL, rtol=0)
 
 
+@pytest.mark.parametrize("alpha", [0.5, 1.0])
+def test_a_chunked_forward_runs_under_inference_mode(looplm, ids, alpha):
+    """`torch.inference_mode`, as Hugging Face users call a model: the chunked forward (its KV store, the commits
+    of each chunk's entries) gives no_grad's logits, for the LoopLM and MELT (interpolated and shared caches)."""
+    for model in (looplm, melt(looplm, "elementwise")):
+        with torch.no_grad():
+            want = model(ids, chunk_size=4, **({"alpha": alpha} if model is not looplm else {})).logits
+        with torch.inference_mode():
+            got = model(ids, chunk_size=4, **({"alpha": alpha} if model is not looplm else {})).logits
+        assert torch.equal(got, want)
+
+
 @pytest.mark.parametrize("gate", GATES)
 def test_variants_differ_from_looplm_at_alpha_one(looplm, ids, gate):
     """Guards the test above: alpha really switches the cache (except where it cannot matter)."""

@@ -329,15 +329,20 @@ class TrainingKVBuffer:
         buffer = self.buffers[key]
         with torch.no_grad():
             buffer[:, :, :, start : start + kv.shape[3]] = kv
-        self.last_write[key] = (start, kv.data_ptr(), kv._version, kv.shape)
+        self._record(key, kv, start)
         return buffer
+
+    def _record(self, key: Hashable, kv: Tensor, start: int) -> None:
+        """What `holds` compares. Only a backward asks, about an entry that needs a gradient; any other write just
+        clears the key's record (an inference tensor has no version to read)."""
+        self.last_write[key] = (start, kv.data_ptr(), kv._version, kv.shape) if kv.requires_grad else None
 
     def holds(self, key: Hashable, kv: Tensor, start: int) -> bool:
         """Whether the key's last write was kv itself, at `start`: its columns hold kv still. Every write goes
         through `write`, and a live kv's memory cannot have been another tensor's since kv was written, so an
         equal address, version and shape mean the same values (no reference is kept: that would hold every
         chunk's entries alive)."""
-        return self.last_write.get(key) == (start, kv.data_ptr(), kv._version, kv.shape)
+        return kv.requires_grad and self.last_write.get(key) == (start, kv.data_ptr(), kv._version, kv.shape)
 
     def write_all(self, keys: list, entries, start: int) -> None:
         """Every key's entry [2, B, KVH, c, hd] into columns [start, start + c) with one stack and one copy. The
@@ -353,7 +358,7 @@ class TrainingKVBuffer:
         with torch.no_grad():
             self.all_buffers[..., start : start + entries[0].shape[3], :] = torch.stack(list(entries))
         for key, kv in zip(keys, entries):
-            self.last_write[key] = (start, kv.data_ptr(), kv._version, kv.shape)
+            self._record(key, kv, start)
 
     def grad_buffers(self, key: Hashable) -> Tensor:
         """fp32 whatever the entries' dtype: a prefix slot sums the gradients of every later chunk
