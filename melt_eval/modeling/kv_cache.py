@@ -561,7 +561,7 @@ class InterpolatedKV(PerLoopKV):
     def advance(self, c: int) -> None:
         melt_final = self.finals
         last = self.store.length + c >= getattr(self.store, "capacity", float("inf"))
-        # the last chunk's entries are read by no later token (the store's commit drops them): its 2 N T mixes
+        # the last chunk's entries are read by no later token (the store's commit drops them): its N T mixes
         # would be built and thrown away
         self.finals = {} if last else self._mix_all(melt_final)
         self.base = {}
