@@ -135,8 +135,7 @@ def test_ema_equals_elementwise_gate_held_at_constant(looplm, ids):
     held = melt(looplm, "elementwise")
     with torch.no_grad():
         for layer in held.model.layers:
-            layer.melt_gate.a_proj.weight.zero_()
-            layer.melt_gate.h_proj.weight.zero_()
+            layer.melt_gate.ah_proj.weight.zero_()
             layer.melt_gate.bias.fill_(torch.logit(torch.tensor(0.2)).item())
     torch.testing.assert_close(held(ids).logits, melt(looplm, "ema")(ids).logits, atol=ATOL, rtol=0)
 
@@ -285,6 +284,21 @@ def test_gate_init_is_seeded(looplm):
     assert 0.015 < pa.std().item() < 0.025
 
 
+@pytest.mark.parametrize("gate", ["elementwise", "scalar"])
+def test_gate_init_draws_each_checkpoint_tensor_in_turn(looplm, gate):
+    """The merged [W_z | U_z] starts as the two products' weights drawn one after the other did (after b_z, as
+    before the merge), so a seed gives the same MELT whichever way the model holds them."""
+    model = melt(looplm, gate, 3)
+    generator = torch.Generator().manual_seed(3)
+    d, out = looplm.config.hidden_size, looplm.config.hidden_size if gate == "elementwise" else 1
+    for layer in model.model.layers:
+        b_z, w_z, u_z = (torch.randn(shape, generator=generator) * 0.02 for shape in ((out,), (out, d), (out, d)))
+        assert torch.equal(layer.melt_gate.ah_proj.weight, torch.cat([w_z, u_z], dim=1))
+        assert torch.equal(layer.melt_gate.bias, b_z)
+        a, h = torch.randn(2, 3, d), torch.randn(2, 3, d)
+        torch.testing.assert_close(layer.melt_gate.logits(h, a), a @ w_z.T + h @ u_z.T + b_z, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("kind", ["ouro", "melt"])
 def test_checkpoints_keep_the_projections_apart_and_load_into_the_merged_weights(looplm, tmp_path, kind):
     """The model holds k|v and gate|up as one weight each; what it writes and reads is Ouro's layout (k_proj,
@@ -301,6 +315,12 @@ def test_checkpoints_keep_the_projections_apart_and_load_into_the_merged_weights
     assert k.shape == (cfg.num_key_value_heads * cfg.head_dim, cfg.hidden_size) and gate.shape == (cfg.intermediate_size, cfg.hidden_size)
     for name, want in (("self_attn.k_proj", k), ("self_attn.v_proj", v), ("mlp.gate_proj", gate), ("mlp.up_proj", up)):
         assert torch.equal(saved[f"model.layers.1.{name}.weight"], want), name
+    if kind == "melt":  # W_z|U_z side by side along the input: a_proj's columns, then h_proj's
+        assert not any("ah_proj" in k for k in saved)
+        w_z, u_z = model.model.layers[1].melt_gate.ah_proj.weight.chunk(2, dim=1)
+        assert w_z.shape == (cfg.hidden_size, cfg.hidden_size)
+        assert torch.equal(saved["model.layers.1.melt_gate.a_proj.weight"], w_z)
+        assert torch.equal(saved["model.layers.1.melt_gate.h_proj.weight"], u_z)
     loaded = load_looped(tmp_path)
     assert loaded.state_dict().keys() == model.state_dict().keys()
     assert all(torch.equal(a, b) for a, b in zip(loaded.state_dict().values(), model.state_dict().values()))

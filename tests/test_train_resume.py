@@ -103,23 +103,33 @@ def test_resume_takes_the_newest_complete_checkpoint_and_names_what_it_skipped(t
     assert_same_as_straight(out, straight)
 
 
-def test_a_resume_state_with_the_projections_apart_names_the_version_that_wrote_it(tmp_path):
-    """States written before k_proj|v_proj and gate_proj|up_proj were held merged (2026-11-28) cannot be resumed (the
-    optimizer's state is per parameter): one line that says so, not the first line of torch's key listing."""
+@pytest.mark.parametrize("apart, says", [
+    ("all", r"its model state keeps k_proj and v_proj apart: written by a melt-eval before 2026-11-28"),
+    ("gate", r"its model state keeps the gate's a_proj and h_proj apart: written by a melt-eval before 2026-11-29"),
+])
+def test_a_resume_state_with_the_projections_apart_names_the_version_that_wrote_it(tmp_path, apart, says):
+    """States written before k_proj|v_proj and gate_proj|up_proj were held merged (2026-11-28), or MELT's W_z|U_z
+    (2026-11-29), cannot be resumed (the optimizer's state is per parameter): one line that says so, not the first
+    line of torch's key listing."""
     from safetensors.torch import save_file
 
     out = tmp_path / "run"
     train(out, stop_after=2)
     for ckpt in (out / "checkpoints").iterdir():
         path = ckpt / "state" / "model.safetensors"
-        save_file(checkpoint_layout(load_file(path)), path, metadata={"format": "pt"})  # the layout such a state holds
+        state = load_file(path)
+        if apart == "gate":  # the layout a state of 2026-11-28 holds: only the gate's two products apart
+            gate = {k: v for k, v in state.items() if ".melt_gate." in k}
+            state = {k: v for k, v in state.items() if k not in gate} | checkpoint_layout(gate)
+        else:
+            state = checkpoint_layout(state)
+        save_file(state, path, metadata={"format": "pt"})  # the layout such a state holds
         record = ckpt / "trainer_state.json"  # the sizes and sums such a checkpoint recorded for its files
         state = json.loads(record.read_text())
         state["files"]["state/model.safetensors"] = path.stat().st_size
         state["sha256"]["state/model.safetensors"] = hashlib.sha256(path.read_bytes()).hexdigest()
         record.write_text(json.dumps(state))
-    with pytest.raises(UserError, match=r"no checkpoint .* loads \(step-000002 \(its model state keeps k_proj and v_proj "
-                                        r"apart: written by a melt-eval before 2026-11-28, which must resume it\); step-000001"):
+    with pytest.raises(UserError, match=r"no checkpoint .* loads \(step-000002 \(" + says + r", which must resume it\); step-000001"):
         train(out, resume=True)
 
 

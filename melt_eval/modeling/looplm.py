@@ -613,18 +613,20 @@ class LoopLMForCausalLM(LoopLMPreTrainedModel):
         return torch.stack([torch.sigmoid(exit_logit(self, h)) for h in out.hidden_states])
 
 
-# Checkpoints keep Ouro's tensors: k_proj and v_proj, gate_proj and up_proj apart. Loading concatenates each pair into
-# the merged weight (k or gate rows first), and save_pretrained splits it back in halves (transformers reverses the
-# mapping on save), so the Hub layout is what every checkpoint, loaded or written, holds.
+# Checkpoints keep Ouro's and MELT's tensors: k_proj and v_proj, gate_proj and up_proj, MELT's a_proj and h_proj
+# apart. Loading concatenates each pair into the merged weight (k's or gate's rows first; a_proj's columns first),
+# along the dim given, and save_pretrained splits it back in halves (transformers reverses the mapping on save), so
+# the Hub layout is what every checkpoint, loaded or written, holds.
 CHECKPOINT_LAYOUT = (
-    ("self_attn.kv_proj.weight", ["self_attn.k_proj.weight", "self_attn.v_proj.weight"]),
-    ("mlp.gate_up_proj.weight", ["mlp.gate_proj.weight", "mlp.up_proj.weight"]),
+    ("self_attn.kv_proj.weight", ["self_attn.k_proj.weight", "self_attn.v_proj.weight"], 0),
+    ("mlp.gate_up_proj.weight", ["mlp.gate_proj.weight", "mlp.up_proj.weight"], 0),
+    ("melt_gate.ah_proj.weight", ["melt_gate.a_proj.weight", "melt_gate.h_proj.weight"], 1),
 )
 
 
 def checkpoint_names(key: str) -> list[str]:
     """The checkpoint's names for a model tensor: a merged weight's two (`CHECKPOINT_LAYOUT`), else its own."""
-    for merged, sources in CHECKPOINT_LAYOUT:
+    for merged, sources, _ in CHECKPOINT_LAYOUT:
         if key.endswith(merged):
             return [key[: -len(merged)] + source for source in sources]
     return [key]
@@ -632,8 +634,8 @@ def checkpoint_names(key: str) -> list[str]:
 
 def register_checkpoint_layout(model_type: str) -> None:
     register_checkpoint_conversion_mapping(model_type, [
-        WeightConverter(source_patterns=sources, target_patterns=merged, operations=[Concatenate(dim=0)])
-        for merged, sources in CHECKPOINT_LAYOUT
+        WeightConverter(source_patterns=sources, target_patterns=merged, operations=[Concatenate(dim=dim)])
+        for merged, sources, dim in CHECKPOINT_LAYOUT
     ], overwrite=True)
 
 

@@ -37,12 +37,16 @@ class MeltGate(nn.Module):
         if self.kind in LEARNED_GATES:
             d = config.hidden_size
             out = d if self.kind == "elementwise" else 1
-            self.a_proj = nn.Linear(d, out, bias=False)  # W_z (w_z)
-            self.h_proj = nn.Linear(d, out, bias=False)  # U_z (u_z)
+            # [W_z | U_z] (w_z, u_z) as one [out, 2d] weight, W_z's columns first: a_t and h_{t-1} go through one
+            # product, one weight gradient and one input gradient instead of two each (the chunked training step is
+            # bound by the number of kernels it launches). Checkpoints keep a_proj and h_proj (`CHECKPOINT_LAYOUT`).
+            self.ah_proj = nn.Linear(2 * d, out, bias=False)
             self.bias = nn.Parameter(torch.zeros(out))  # b_z
 
     def logits(self, h_prev: Tensor, a: Tensor) -> Tensor:
-        return self.a_proj(a) + self.h_proj(h_prev) + self.bias
+        """a_t W_z + h_{t-1} U_z + b_z = [a_t, h_{t-1}] [W_z | U_z]^T + b_z. The bias is added outside the product:
+        under autocast the sum stays in the bias's fp32, as it was with two products."""
+        return self.ah_proj(torch.cat([a, h_prev], dim=-1)) + self.bias
 
 
 class MeltDecoderLayer(LoopLMDecoderLayer):
@@ -95,8 +99,12 @@ class MeltForCausalLM(LoopLMForCausalLM):
             raise ValueError(f"LoopLM weights do not fit MELT: missing {missing}, unexpected {unexpected}")
         model.model.rotary_emb.inv_freq.copy_(looplm.model.rotary_emb.inv_freq)
         generator = torch.Generator().manual_seed(seed)
-        for p in model.gate_parameters():
-            p.data.copy_(torch.randn(p.shape, generator=generator) * 0.02)
+        for name, p in model.named_parameters():
+            if ".melt_gate." not in name:
+                continue
+            # drawn per checkpoint tensor (b_z, then W_z, then U_z, as before the merge): a seed gives the same MELT
+            shapes = [(p.shape[0], p.shape[1] // 2)] * 2 if name.endswith("ah_proj.weight") else [p.shape]
+            p.data.copy_(torch.cat([torch.randn(shape, generator=generator) for shape in shapes], dim=-1) * 0.02)
         return model.train(looplm.training)
 
 

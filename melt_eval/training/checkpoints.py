@@ -176,6 +176,9 @@ def load_checkpoint(accelerator, stream, output: Path, candidates: list[Path], r
             if ".k_proj.weight" in str(exc):  # a state saved before k_proj|v_proj, gate_proj|up_proj were held merged
                 failed.append(f"{ckpt.name} (its model state keeps k_proj and v_proj apart: written by a melt-eval "
                               "before 2026-11-28, which must resume it)")
+            elif ".melt_gate.a_proj.weight" in str(exc):  # before MELT's W_z|U_z were held merged
+                failed.append(f"{ckpt.name} (its model state keeps the gate's a_proj and h_proj apart: written by a "
+                              "melt-eval before 2026-11-29, which must resume it)")
             else:
                 failed.append(f"{ckpt.name} ({type(exc).__name__}: {str(exc).splitlines()[0][:120] if str(exc) else ''})")
             continue
