@@ -47,6 +47,15 @@ def test_quick_demo_writes_every_table_and_figure(quick_demo):
     summary = json.loads((quick_demo / "demo.json").read_text())
     assert 0.0 <= summary["teacher_pass@1"] <= 1.0 and 0.0 <= summary["melt_pass@1"] <= 1.0
     assert summary["wall_time_s"] > 0 and len(summary["load_average"]["start"]) == 3
+    # where the time went: every distinct training run's steps (the teacher's first), every generated evaluation
+    work = summary["work_s"]
+    runs = {p.name for p in (quick_demo / "runs").iterdir() if p.is_dir()}
+    assert set(work["training_steps"]) == runs and next(iter(work["training_steps"])).startswith("pretrain-tiny")
+    assert all(s > 0 for s in work["training_steps"].values())
+    # a copy of an evaluation of the same (model, options) is not work: MELT's main row, the teacher's, - align's
+    assert not {"melt-tiny", "ouro-tiny", "ablations/components/no-align"} & set(work["generation"])
+    assert "ablations/components/full" in work["generation"] and "loops/melt-tiny-T2" in work["generation"]
+    assert len(work["generation"]) == 16 and all(s > 0 for s in work["generation"].values())  # 14 rows, T = 2 twice
     # each model's reply loss loop by loop, as scripts/loop_predictions.py prints it
     for name in ("ouro-tiny", "melt-tiny"):
         rows = summary["loop_profile"][name]

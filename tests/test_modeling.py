@@ -301,8 +301,9 @@ def test_gate_init_draws_each_checkpoint_tensor_in_turn(looplm, gate):
 
 @pytest.mark.parametrize("kind", ["ouro", "melt"])
 def test_checkpoints_keep_the_projections_apart_and_load_into_the_merged_weights(looplm, tmp_path, kind):
-    """The model holds k|v and gate|up as one weight each; what it writes and reads is Ouro's layout (k_proj,
-    v_proj, gate_proj, up_proj), and a save and a load give back every tensor and the same logits."""
+    """The model holds k|v, gate|up and MELT's W_z|U_z as one weight each; what it writes and reads is the Hub's
+    layout (k_proj, v_proj, gate_proj, up_proj, a_proj, h_proj), and a save and a load give back every tensor and
+    the same logits."""
     from safetensors.torch import load_file
 
     model = looplm if kind == "ouro" else MeltForCausalLM.from_looplm(looplm, seed=0).eval()

@@ -165,6 +165,7 @@ def _run_demo(output: Path, quick: bool, progress: bool, seed: int, threads: int
     evaluations += [ablations.Evaluation(model, results / "loops" / f"{name}-T{loops}", name, {"loops": loops})
                     for name, model in main.items() for loops in size.loops if loops != 4]  # T = 4 is the main result
     _queue([run for v in variants for run in v.train], evaluations, runs, results, jobs, progress, ev)
+    work = _work([teacher_made_by] + [run for v in variants for run in v.train], evaluations, runs, results)
     beyond = []
     if beyond_paper:
         say("beyond the paper", f"[3/{steps}] beyond the paper, on the trained models: early exit ({', '.join(BEYOND_EXIT)}) "
@@ -206,6 +207,7 @@ def _run_demo(output: Path, quick: bool, progress: bool, seed: int, threads: int
     say("")
     summary = {
         "quick": quick, "seed": seed, "compile": compile, "wall_time_s": round(time.perf_counter() - started, 1), "stages_s": stages,
+        "work_s": work,
         "load_average": {"start": load_at_start, "end": _load_average()},
         "teacher_pass@1": pass_at_1("ouro-tiny"), "melt_pass@1": pass_at_1("melt-tiny"), "loop_profile": profiles,
         "gate_profile": gate_profile,
@@ -229,6 +231,10 @@ def _run_demo(output: Path, quick: bool, progress: bool, seed: int, threads: int
         load = summary["load_average"]
         _echo(f"demo finished in {summary['wall_time_s']:.0f} s ({', '.join(f'{k} {v:.0f} s' for k, v in stages.items())}); "
               f"1-minute load average {load['start'][0]:.1f} at the start, {load['end'][0]:.1f} at the end")
+        train_s, eval_s = (sum(v for v in work[k].values() if v) for k in ("training_steps", "generation"))
+        _echo(f"the work in it (demo.json work_s): training steps {train_s:.0f} s over {len(work['training_steps'])} runs, "
+              f"generation {eval_s:.0f} s over {len(work['generation'])} evaluations, side by side on {jobs} "
+              f"job{'s' if jobs > 1 else ''} (a cached run or evaluation counts its first time)")
         _echo(f"pass@1 on the synthetic test split: teacher (ouro-tiny) {100 * summary['teacher_pass@1']:.1f}%, "
               f"MELT (melt-tiny) {100 * summary['melt_pass@1']:.1f}%"
               + ("" if quick or TEACHER_AIM[0] <= summary["teacher_pass@1"] <= TEACHER_AIM[1]
@@ -269,6 +275,23 @@ def _queue(train: list[TrainRun], evaluations: list, runs: Path, results: Path, 
         raise UserError(f"{results} holds evaluations made with other settings ({', '.join(e.changed)} differ), "
                         f"e.g. by an older melt-eval; move it aside and run the demo again (the trained models "
                         f"under {runs} are kept)") from e
+
+
+def _work(train: list[TrainRun], evaluations: list, runs: Path, results: Path) -> dict:
+    """Where the demo's time goes, in seconds of the core(s) each piece ran on: each training run's optimizer steps
+    (`runs.step_seconds`) and each evaluation's generation as its results.json records it, the first of each
+    (model, options) only (the others are copies). Pieces run side by side, so these add up to more than the
+    wall time."""
+    from melt_eval.training.runs import step_seconds
+
+    def generation_s(e) -> float | None:
+        try:
+            return json.loads((e.results_dir / TASK / "results.json").read_text()).get("wall_time_s")
+        except (OSError, ValueError):
+            return None
+
+    return {"training_steps": {run.run_id: step_seconds(runs / run.run_id) for run in {r.run_id: r for r in train}.values()},
+            "generation": {str(e.results_dir.relative_to(results)): generation_s(e) for e in ablations._first_of_each(evaluations).values()}}
 
 
 def _beyond_summary(measured, results: Path, plans: list) -> dict:

@@ -198,9 +198,9 @@ def _names(keys, limit: int = 8) -> str:
 
 
 def _check_pairs(model_dir: Path, tensors: dict[str, tuple[str, list[int]]]) -> None:
-    """Each pair of tensors the model holds as one (k_proj/v_proj, gate_proj/up_proj, a_proj/h_proj) is whole and of one shape,
-    checked before loading concatenates them (transformers would report the merged tensor, or a failed
-    conversion): a missing or misshapen half is named as the checkpoint names it, with the pair's shapes."""
+    """Each pair of tensors the model holds as one (k_proj/v_proj, gate_proj/up_proj, a_proj/h_proj) is whole and
+    of one shape, checked before loading concatenates them (transformers would report the merged tensor, or a
+    failed conversion): a missing or misshapen half is named as the checkpoint names it, with the pair's shapes."""
     missing, mismatched = [], []
     for merged, sources, _ in CHECKPOINT_LAYOUT:
         prefixes = {name[: -len(s)] for name in tensors for s in sources if name.endswith(s)}

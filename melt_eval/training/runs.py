@@ -37,6 +37,15 @@ def final_gate_means(run_dir: Path) -> list[float] | None:
     return None
 
 
+def step_seconds(run_dir: Path) -> float | None:
+    """Seconds the run's optimizer steps took, summed from its log (`step_time_s`): its training work, without
+    start-up, held-out checks or saving; None where there is no log."""
+    log = run_dir / "logs" / "metrics.jsonl"
+    if not log.exists():
+        return None
+    return round(sum(record.get("step_time_s") or 0.0 for _, record in read_metrics(log)[0]), 1)
+
+
 # Recipe keys with a switch of their own on `melt-eval train` (training/cli.py); any other key is --set.
 _SWITCHES = {"gate": "--gate", "interpolation_steps": "--interpolation-steps", "chunk_size": "--chunk-size"}
 
