@@ -342,7 +342,7 @@ def evaluate_all(evaluations: list[Evaluation], tasks: str, *, jobs: int = 1, ba
     With `jobs` > 1 on a CPU (native backend), the evaluations left to do run side by side, each in a
     spawned process with one torch thread, as training's runs do; the results are the same (every
     sample is seeded by its problem). A failure propagates once the running ones finish."""
-    first = _first_of_each(evaluations)
+    first = first_of_each(evaluations)
     todo = _evaluations_to_run(evaluations, tasks) if jobs > 1 and backend == "native" and not _cuda() else []
     if len(todo) > 1:
         _run_side_by_side([_Job(str(e.results_dir), (_evaluate, e, tasks, backend, progress, eval_kwargs), set())
@@ -355,7 +355,8 @@ def evaluate_all(evaluations: list[Evaluation], tasks: str, *, jobs: int = 1, ba
     return results
 
 
-def _first_of_each(evaluations: list[Evaluation]) -> dict[tuple[str, str], Evaluation]:
+def first_of_each(evaluations: list[Evaluation]) -> dict[tuple[str, str], Evaluation]:
+    """The first evaluation of each (model, options) by key: the one that generates; later ones get copies."""
     first: dict[tuple[str, str], Evaluation] = {}
     for e in evaluations:
         first.setdefault(e.key, e)
@@ -364,7 +365,7 @@ def _first_of_each(evaluations: list[Evaluation]) -> dict[tuple[str, str], Evalu
 
 def _evaluations_to_run(evaluations: list[Evaluation], tasks: str) -> list[Evaluation]:
     """The first evaluation of each (model, options) whose results are not finished."""
-    return [e for e in _first_of_each(evaluations).values() if not _finished(e.results_dir, tasks)]
+    return [e for e in first_of_each(evaluations).values() if not _finished(e.results_dir, tasks)]
 
 
 def _evaluate(e: Evaluation, tasks: str, backend: str, progress: bool, eval_kwargs: dict) -> list[dict]:

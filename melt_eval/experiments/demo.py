@@ -290,8 +290,10 @@ def _work(train: list[TrainRun], evaluations: list, runs: Path, results: Path) -
         except (OSError, ValueError):
             return None
 
-    return {"training_steps": {run.run_id: step_seconds(runs / run.run_id) for run in {r.run_id: r for r in train}.values()},
-            "generation": {str(e.results_dir.relative_to(results)): generation_s(e) for e in ablations._first_of_each(evaluations).values()}}
+    distinct = {run.run_id: run for run in train}
+    return {"training_steps": {run_id: step_seconds(runs / run_id) for run_id in distinct},
+            "generation": {str(e.results_dir.relative_to(results)): generation_s(e)
+                           for e in ablations.first_of_each(evaluations).values()}}
 
 
 def _beyond_summary(measured, results: Path, plans: list) -> dict:
