@@ -71,11 +71,10 @@ def copy_checkpoint(tiny_dirs, tmp_path, name="tiny-random-ouro"):
 def checkpoint_layout(state: dict) -> dict:
     """A model state dict (a resume state's) named as checkpoints name it: the model holds k|v, gate|up and MELT's
     W_z|U_z as one weight each, checkpoints keep the halves apart (`looplm.CHECKPOINT_LAYOUT`)."""
-    from melt_eval.modeling.looplm import CHECKPOINT_LAYOUT, checkpoint_names
+    from melt_eval.modeling.looplm import checkpoint_parts
 
     out = {}
     for name, tensor in state.items():
-        names = checkpoint_names(name)
-        dim = next((d for merged, _, d in CHECKPOINT_LAYOUT if name.endswith(merged)), 0)
+        names, dim = checkpoint_parts(name)
         out |= {part: half.clone() for part, half in zip(names, tensor.chunk(len(names), dim=dim))}
     return out

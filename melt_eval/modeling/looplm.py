@@ -624,12 +624,18 @@ CHECKPOINT_LAYOUT = (
 )
 
 
+def checkpoint_parts(key: str) -> tuple[list[str], int]:
+    """The checkpoint's names for a model tensor and the dim along which they are concatenated in it: a merged
+    weight's two (`CHECKPOINT_LAYOUT`), else its own (dim 0)."""
+    for merged, sources, dim in CHECKPOINT_LAYOUT:
+        if key.endswith(merged):
+            return [key[: -len(merged)] + source for source in sources], dim
+    return [key], 0
+
+
 def checkpoint_names(key: str) -> list[str]:
     """The checkpoint's names for a model tensor: a merged weight's two (`CHECKPOINT_LAYOUT`), else its own."""
-    for merged, sources, _ in CHECKPOINT_LAYOUT:
-        if key.endswith(merged):
-            return [key[: -len(merged)] + source for source in sources]
-    return [key]
+    return checkpoint_parts(key)[0]
 
 
 def register_checkpoint_layout(model_type: str) -> None:

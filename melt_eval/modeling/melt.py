@@ -12,7 +12,8 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from melt_eval.modeling.gates import GATES, LEARNED_GATES, gate_update
-from melt_eval.modeling.looplm import LoopLMConfig, LoopLMDecoderLayer, LoopLMForCausalLM, register_checkpoint_layout
+from melt_eval.modeling.looplm import (LoopLMConfig, LoopLMDecoderLayer, LoopLMForCausalLM, checkpoint_parts,
+                                      register_checkpoint_layout)
 
 Tensor = torch.Tensor
 
@@ -103,8 +104,10 @@ class MeltForCausalLM(LoopLMForCausalLM):
             if ".melt_gate." not in name:
                 continue
             # drawn per checkpoint tensor (b_z, then W_z, then U_z, as before the merge): a seed gives the same MELT
-            shapes = [(p.shape[0], p.shape[1] // 2)] * 2 if name.endswith("ah_proj.weight") else [p.shape]
-            p.data.copy_(torch.cat([torch.randn(shape, generator=generator) for shape in shapes], dim=-1) * 0.02)
+            parts, dim = checkpoint_parts(name)
+            shape = list(p.shape)
+            shape[dim] //= len(parts)
+            p.data.copy_(torch.cat([torch.randn(shape, generator=generator) for _ in parts], dim=dim) * 0.02)
         return model.train(looplm.training)
 
 
