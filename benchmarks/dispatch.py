@@ -32,6 +32,10 @@ wrapper is one launch (`FusedKernelCounter` wraps every compiled graph's `call` 
 each time it runs). Graph breaks, unique graphs and recompiles
 come from torch._dynamo's counters over the same steps (chunk indices 0..3 at one chunk length).
 
+The "train_captured" section is `compile_captured_step()`: each (layer, loop) step, attention included, is one
+compiled graph forward and one for its recompute and backward (`modeling/captured_step.py`), counted the same
+way; its recompute runs inside the backward's graph, so it counts under "backward".
+
 The "train_norms_fused" section is the eager step with every `F.rms_norm` counted as CUDA launches it, one
 fused kernel each way (`FusedNorm`): on the CPU torch 2.13 runs a composite of about 20 ops that a GPU never
 issues, so this is the count that stands for the GPU's.
@@ -325,14 +329,18 @@ def one_step(student, teacher, optimizer, recipe: Recipe, seq_len: int, counter:
         phase("other")
 
 
-def count_steps(layers: int, compiled: bool, fused_norms: bool = False) -> dict:
-    """Op counts of one step at each number of chunks, after a warm-up step (compilation, optimizer state)."""
+def count_steps(layers: int, compiled: bool | str, fused_norms: bool = False) -> dict:
+    """Op counts of one step at each number of chunks, after a warm-up step (compilation, optimizer state).
+    compiled: True for `compile_layer_step`, "captured" for `compile_captured_step`."""
     student, teacher, recipe = build(layers)
     if compiled:
         # dynamo caches graphs per function, across every model of the process: graphs another model compiled
         # earlier (a test before this one) count toward its recompile limit, past which it runs the step eagerly
         torch._dynamo.reset()
-        student.model.compile_layer_step()
+        if compiled == "captured":
+            student.model.compile_captured_step()
+        else:
+            student.model.compile_layer_step()
     optimizer = make_optimizer(student, recipe)
     allocate_optimizer_state(optimizer)
     if compiled:
@@ -408,7 +416,7 @@ def _extrapolate(a, b, n1: int, n2: int, n: int, scale1: float, scale2: float, s
     return (x1 + (x2 - x1) * (n - n1) / (n2 - n1)) / scale
 
 
-def train_section(layers: int, compiled: bool, count_layers: tuple[int, int] | None = None,
+def train_section(layers: int, compiled: bool | str, count_layers: tuple[int, int] | None = None,
                   fused_norms: bool = False) -> dict:
     """Counts at depth `layers`; with `count_layers` (n1, n2) counted at those two depths and extrapolated
     (every count is linear in N: the layers are alike), which is exact and much quicker."""
@@ -436,6 +444,7 @@ SECTIONS = {"train": lambda a: train_section(a.layers, compiled=False, count_lay
             "train_norms_fused": lambda a: train_section(a.layers, compiled=False, count_layers=a.count_layers,
                                                          fused_norms=True),
             "train_compiled": lambda a: train_section(a.layers, compiled=True, count_layers=a.count_layers),
+            "train_captured": lambda a: train_section(a.layers, compiled="captured", count_layers=a.count_layers),
             "decode": lambda a: decode_section()}
 
 

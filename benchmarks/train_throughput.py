@@ -7,12 +7,13 @@ and slower. This measures optimiser steps of the real training path
 two parameter groups) for several C in one run, next to C = L and to the LoopLM itself.
 
     python benchmarks/train_throughput.py [--quick] [--json] [--preset tiny|small|ouro-1.4b]
-        [--seq-len L] [--batch B] [--chunks 16,64,256] [--steps N] [--interp] [--compile]
+        [--seq-len L] [--batch B] [--chunks 16,64,256] [--steps N] [--interp] [--compile] [--captured]
 
 Random weights and tokens: throughput does not depend on what the model knows.
 `--interp` adds phase-1 rows (alpha < 1: both KV sets are computed). `--compile` times every
 MELT row again with the layer step compiled (recipe `compile: true`; its compilation falls in
-the untimed warm-up step) and fits the fixed cost per chunk of both, before and after.
+the untimed warm-up step) and fits the fixed cost per chunk of both, before and after. `--captured` does the
+same with each (layer, loop) step captured whole (recipe `compile: captured`).
 """
 
 from __future__ import annotations
@@ -103,6 +104,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--steps", type=int, default=None)
     ap.add_argument("--interp", action="store_true", help="also time phase-1 steps (alpha < 1, both KV sets)")
     ap.add_argument("--compile", action="store_true", help="also time the MELT rows with the layer step torch.compile'd")
+    ap.add_argument("--captured", action="store_true", help="also time the MELT rows with each (layer, loop) step captured whole")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = ap.parse_args(argv)
 
@@ -130,6 +132,10 @@ def main(argv=None) -> dict:
         compiled = copy.deepcopy(melt)
         compiled.model.compile_layer_step()
         variants.append((True, compiled))
+    if args.captured:
+        captured = copy.deepcopy(melt)
+        captured.model.compile_captured_step()
+        variants.append(("captured", captured))
     for is_compiled, model in variants:
         for c in chunks:
             for alpha, step_index in [(1.0, 0)] + ([(0.5, 1)] if args.interp else []):
@@ -156,6 +162,8 @@ def main(argv=None) -> dict:
               "per_chunk_s": per_chunk, "fixed_s": fixed}
     if args.compile:
         result["compiled_per_chunk_s"], result["compiled_fixed_s"] = fits[True]
+    if args.captured:
+        result["captured_per_chunk_s"], result["captured_fixed_s"] = fits["captured"]
     if args.json:
         print(json.dumps(result, indent=2))
     else:
@@ -165,7 +173,7 @@ def main(argv=None) -> dict:
         for r in rows:
             c = "-" if r["chunk_size"] is None else ("L" if r["chunk_size"] == L else str(r["chunk_size"]))
             a = "-" if r["alpha"] is None else f"{r['alpha']:.1f}"
-            mode = "compiled" if r["compiled"] else "eager"
+            mode = "captured" if r["compiled"] == "captured" else "compiled" if r["compiled"] else "eager"
             line = f"{r['model']:<7} {mode:<8} {c:>6} {a:>5} {r['tokens_per_s']:>10.0f} {r['step_s']:>8.3f} {r['vs_parallel']:>6.2f}x"
             if "peak_gib" in r:
                 line += f"  {r['peak_gib']:>8.2f}"
@@ -174,6 +182,9 @@ def main(argv=None) -> dict:
         if args.compile:
             print(f"step time fit: {result['compiled_fixed_s']:.3f} s + {result['compiled_per_chunk_s'] * 1e3:.1f} ms"
                   " per chunk (MELT, alpha 1, compiled)")
+        if args.captured:
+            print(f"step time fit: {result['captured_fixed_s']:.3f} s + {result['captured_per_chunk_s'] * 1e3:.1f} ms"
+                  " per chunk (MELT, alpha 1, captured)")
         print("vs C=L: against the eager parallel (C = L) MELT step")
     return result
 

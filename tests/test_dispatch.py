@@ -22,6 +22,9 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 EAGER_PER_UNIT = 229.29
 FIXED_PER_STEP = 4578
 COMPILED_PER_UNIT = 56.19
+# compile: captured, the whole (layer, loop) step one graph forward and one for its recompute and backward: on
+# CUDA each is one graph replay
+CAPTURED_PER_UNIT = 51.27
 # With F.rms_norm counted as the one fused kernel each way that CUDA launches (the CPU's is a composite):
 # what a GPU issues. Both meet the aims.
 NORMS_FUSED_PER_UNIT = 134.38
@@ -112,3 +115,15 @@ def test_keeping_weight_casts_over_the_backward_leaves_bf16_gradients_unchanged(
     assert grads[0].keys() == grads[1].keys() and len(grads[0]) > 10
     for name, g in grads[0].items():
         assert torch.equal(grads[1][name], g), name
+
+
+@pytest.mark.slow
+def test_the_captured_step_is_two_whole_graphs_that_compile_once_across_chunks():
+    """`compile_captured_step`: every (layer, loop) step, attention included, with fullgraph=True (a graph break
+    would be an error); its recompute runs inside the backward's graph (nothing counts as a recompute)."""
+    section = dispatch.train_section(24, compiled="captured", count_layers=(1, 2))
+    unit = section["per_chunk_layer_loop"]
+    assert round(unit["total"], 2) <= CAPTURED_PER_UNIT <= COMPILED_PER_UNIT, unit
+    assert unit["recompute"] == 0 and unit["forward"] > 0 and unit["backward"] > 0
+    assert section["dynamo"]["warm-up"]["unique_graphs"] > 0 and section["dynamo"]["warm-up"]["graph_breaks"] == 0
+    assert section["dynamo"]["counted_steps"] == {"unique_graphs": 0, "graph_breaks": 0, "recompiles": 0}

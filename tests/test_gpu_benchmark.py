@@ -67,6 +67,15 @@ def test_every_measure_runs_at_tiny_shapes_and_reports_its_figures(tmp_path):
     assert len(doc["aims"]) == 9 and all(a["met"] is None for a in doc["aims"])  # tiny shapes judge no aim
 
 
+def test_the_captured_phase1_step_runs_when_named(tmp_path):
+    """Named only (outside the 7-minute run): the phase-1 step with `compile_captured_step`, CUDA graphs on CUDA."""
+    p1 = run(tmp_path, "--only", "phase1_step_captured")["measures"]["phase1_step_captured"]
+    assert p1["status"] == "done", p1
+    for row in (p1["chunked"], p1["parallel"]):
+        assert row["tokens_per_s"] > 0 and row["loss"] > 0 and row["timed_steps"] >= 2
+    assert p1["chunked"]["chunks"] > 1 and p1["compile_backend"] == "aot_eager"
+
+
 def test_a_budget_too_short_skips_measures_and_still_writes_the_json(tmp_path):
     doc = run(tmp_path, "--budget-s", "0", "--only", "decode,chunk_overhead")
     m = doc["measures"]

@@ -82,12 +82,14 @@ def test_a_chunked_training_step_runs_in_bf16(looplm, batch, phase, weights_dtyp
     assert sum(float(g.float().abs().sum()) for g in grads.values()) > 0
 
 
-@pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["eager", "compiled"])
+@pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=pytest.mark.slow),
+                                      pytest.param("captured", marks=pytest.mark.slow)], ids=["eager", "compiled", "captured"])
 @pytest.mark.parametrize("phase", [1, 2])
 def test_bf16_gradients_agree_with_fp32_per_parameter_group(looplm, batch, phase, compiled):
     """One micro-batch: the gradient of each optimiser group under bf16 autocast points where fp32's does, for the
-    eager step and for the compiled one (`compile: true`: bf16 copies of the matrix weights, gradients added
-    into .grad inside the compiled backward)."""
+    eager step, for the compiled one (`compile: true`: bf16 copies of the matrix weights, gradients added
+    into .grad inside the compiled backward) and for the captured one (`compile: captured`: the whole step, its
+    recompute and backward under vjp in one graph, the forward's autocast re-entered for the recompute)."""
     recipe, at_step = recipe_for(phase)
     results = {}
     for precision in ("fp32", "bf16"):
@@ -99,7 +101,10 @@ def test_bf16_gradients_agree_with_fp32_per_parameter_group(looplm, batch, phase
         else:
             if compiled:
                 torch._dynamo.reset()  # graphs of other tests' models count toward the recompile limit
-                student.model.compile_layer_step()
+                if compiled == "captured":
+                    student.model.compile_captured_step()
+                else:
+                    student.model.compile_layer_step()
             step(student, teacher, batch, recipe, at_step)
         results[precision] = {g["name"]: torch.cat([p.grad.flatten() for p in g["params"]]) for g in param_groups(student, recipe)}
     assert set(results["fp32"]) == {"base", "gate"}

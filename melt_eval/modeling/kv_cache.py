@@ -344,6 +344,21 @@ class TrainingKVBuffer:
         chunk's entries alive)."""
         return kv.requires_grad and self.last_write.get(key) == (start, kv.data_ptr(), kv._version, kv.shape)
 
+    def prefix(self, key: Hashable, n_keys: int, shape: tuple, like: Tensor, dtype: torch.dtype) -> Tensor:
+        """The key's buffer [2, B, KVH, capacity, hd] for a captured step (`captured_step`), which reads it whole.
+        The first request allocates the shared buffer of all `n_keys` keys as zeros (a masked column must hold a
+        finite value: -inf plus NaN is NaN); keys take their places in the order first asked for, the order the
+        first chunk's steps, and then its commit, meet them. shape: (2, B, KVH, hd)."""
+        if self.all_buffers is None:
+            two, b, heads, hd = shape
+            self.all_buffers = _token_major((n_keys, two, b, heads, self.capacity, hd), like, dtype).zero_()
+        if key not in self.index:
+            if len(self.index) == self.all_buffers.shape[0]:
+                raise RuntimeError(f"a captured step asked for key {key!r} of a store holding {len(self.index)} keys")
+            self.index[key] = len(self.index)
+            self.buffers[key] = self.all_buffers[self.index[key]]
+        return self.buffers[key]
+
     def write_all(self, keys: list, entries, start: int) -> None:
         """Every key's entry [2, B, KVH, c, hd] into columns [start, start + c) with one stack and one copy. The
         first call (the first chunk's commit, at start 0) allocates the keys' shared buffer."""

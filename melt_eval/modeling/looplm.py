@@ -33,7 +33,7 @@ from transformers.modeling_outputs import ModelOutput
 from torch.utils.checkpoint import checkpoint
 
 from melt_eval.cache_layout import KV_SHARING, CacheLayout, layout_of  # noqa: F401 (KV_SHARING: the public name)
-from melt_eval.modeling import token_step
+from melt_eval.modeling import captured_step, token_step
 from melt_eval.modeling.gates import FixedGate, gate_update
 from melt_eval.modeling.kv_cache import TrainingKVBuffer, entry, policy_for
 from melt_eval.modeling.layer_step import (attention_inputs, attention_inputs_adding_grads, attention_residual_and_mlp,
@@ -268,6 +268,7 @@ class LoopLMModel(nn.Module):
         self.token_step = None  # compiled `token_step.token_chunk`, set by compile_token_step
         self.attention_inputs, self.attention_residual_and_mlp = attention_inputs, attention_residual_and_mlp
         self.layer_step_compiled = False
+        self.captured_step = None  # (forward, backward) compiled whole, set by compile_captured_step
         self.grads_in_place = False  # set by compile_layer_step: the compiled parts add weight gradients into .grad
         self._working_weights: dict[nn.Parameter, tuple] = {}  # autocast-dtype copies for the compiled parts (`_stand_ins`)
 
@@ -301,14 +302,21 @@ class LoopLMModel(nn.Module):
         loop_hidden, attn_outputs, gates = [], [[] for _ in range(N)], [[] for _ in range(N)]
         keep_o = collect if collect_attn is None else collect_attn  # else the step does not output o at all
         mix_weight = getattr(policy, "alpha", None)  # phase 1: the chunk's entries are interpolated inside the step
-        if mix_weight is not None and self.layer_step_compiled:
+        captured = captured_step.applies(self, policy, mask)
+        if captured:  # the chunk's start on the device: every chunk runs the same captured graphs
+            start = torch.tensor(past, device=x.device)
+            checkpointed = False  # a captured step keeps only its inputs, and recomputes in its backward
+        if mix_weight is not None and (self.layer_step_compiled or captured):
             # compiled: alpha as a tensor, or each step's new alpha would compile the step again
             mix_weight = torch.tensor(mix_weight, dtype=torch.promote_types(compute_dtype(x), torch.float32), device=x.device)
         for t in range(T):
             for i, layer in enumerate(self.layers):
                 args = (layer, i, t, policy, past, policy.store.token if hasattr(policy, "store") else None, mask, kv_sharing,
                         mix_weight, keep_o)
-                if checkpointed:
+                if captured:
+                    x, states[i], o, z, base, melt = captured_step.run(self, x, states[i], cos, sin, layer, i, t, policy,
+                                                                        start, kv_sharing, mix_weight, keep_o)
+                elif checkpointed:
                     x, states[i], o, z, base, melt = checkpoint(self._layer_step, x, states[i], cos, sin, *args, use_reentrant=False)
                 else:
                     x, states[i], o, z, base, melt = self._layer_step(x, states[i], cos, sin, *args)
@@ -388,6 +396,19 @@ class LoopLMModel(nn.Module):
                                     torch.compile(attention_residual_and_mlp_adding_grads, **compile_kwargs))
         self.grads_in_place = grads_in_place
         self.layer_step_compiled = True
+
+    def compile_captured_step(self, cuda_graphs: bool = True, **compile_kwargs) -> None:
+        """Train with every (layer, loop) step as two whole graphs, its forward and its recompute with backward,
+        attention included (`captured_step.py`): compiled with fullgraph=True, no graph depends on the chunk's
+        index, and on CUDA they replay as CUDA graphs unless `cuda_graphs` is off. Each step attends over its
+        key's whole store (the sequence's padded length) under a mask from the chunk's device-side start, so a
+        new padded length compiles once, as a new chunk shape does. The weights' gradients are added into .grad
+        in place (as `compile_layer_step(grads_in_place=True)`): one process only."""
+        options = {"fullgraph": True, "dynamic": False, **compile_kwargs}
+        if cuda_graphs and next(self.parameters()).device.type == "cuda":
+            options.setdefault("mode", "reduce-overhead")
+        self.captured_step = (torch.compile(captured_step.step_forward, **options),
+                              torch.compile(captured_step.step_backward, **options))
 
     def compile_token_step(self, **compile_kwargs) -> None:
         """Train MELT at chunk 1 with one torch.compile'd function per token (`token_step.py`): every loop

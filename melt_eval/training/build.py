@@ -216,8 +216,13 @@ def prepare_student(student, recipe: Recipe, one_process: bool = True) -> int:
     student.train()
     if recipe.gradient_checkpointing:
         student.gradient_checkpointing_enable()
-    per_token = recipe.compile and recipe.target == "melt" and recipe.chunk_size == 1
-    if per_token:  # one compiled function per token: every token has the same shapes
+    per_token = recipe.compile is True and recipe.target == "melt" and recipe.chunk_size == 1
+    if recipe.compile == "captured":
+        if not one_process:
+            raise UserError("compile: captured adds the weights' gradients into .grad itself, which DDP and FSDP "
+                            "cannot reduce: set compile: true to compile a launch of several processes")
+        student.model.compile_captured_step()
+    elif per_token:  # one compiled function per token: every token has the same shapes
         student.model.compile_token_step()
     elif recipe.compile:
         student.model.compile_layer_step(grads_in_place=one_process)

@@ -104,8 +104,10 @@ class Recipe:
     # torch.compile each (layer, loop) step's pure parts (`compile_layer_step`); micro-batches are
     # then padded to a multiple of chunk_size so every chunk has one shape (no recompiles). MELT at
     # chunk 1 compiles each token's whole chunk instead (`compile_token_step`, O(L^2) memory, worth its
-    # compile time at the demo's size: docs/results/2026-11-26-benchmarks.md#one-compiled-function-per-token)
-    compile: bool = False  # in EXECUTION_FIELDS
+    # compile time at the demo's size: docs/results/2026-11-26-benchmarks.md#one-compiled-function-per-token).
+    # captured: each (layer, loop) step whole, attention included, one graph forward and one for its recompute and
+    # backward (`compile_captured_step`; CUDA graphs on CUDA; one process)
+    compile: bool | str = False  # true, false or captured; in EXECUTION_FIELDS
     seed: int = 0
     # --- bookkeeping -----------------------------------------------------------------------
     save_every: int = 100  # optimiser steps between resumable checkpoints (0 = only at the end)
@@ -410,6 +412,10 @@ def _coerce(raw: dict) -> dict:
             raise UserError(f"recipe key {key} expects a {t}, got {value!r}")
         if t == "int | None" and value is not None and (isinstance(value, bool) or not isinstance(value, int)):
             raise UserError(f"recipe key {key} expects a whole number (or null), got {value!r}")
+        if t == "bool | str":  # compile
+            value = {"true": True, "false": False}.get(value.lower(), value) if isinstance(value, str) else value
+            if value not in (True, False, "captured") or isinstance(value, int) and not isinstance(value, bool):
+                raise UserError(f"recipe key {key} expects true, false or captured, got {value!r}")
         if t == "str | None" and value is not None and not isinstance(value, str):
             raise UserError(f"recipe key {key} expects a string (or null), got {value!r}")
         out[key] = value

@@ -1,0 +1,121 @@
+"""`compile: captured`: each (layer, loop) step, attention included, is one compiled graph forward and one for its
+recompute and backward (melt_eval/modeling/captured_step.py). It must give the eager step's loss and gradients,
+break no graph, and compile nothing new at a later chunk or at another padded length."""
+
+import copy
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+from melt_eval.errors import UserError
+from melt_eval.modeling import MeltForCausalLM
+from melt_eval.training import load_recipe
+from melt_eval.training.build import prepare_student
+from melt_eval.training.runner import forward_objective
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+L = 9  # whole chunks of 3, as training pads rows under compile
+
+
+@pytest.fixture(scope="module")
+def looplm(random_looplm):
+    return random_looplm(0.1, torch.float64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         head_dim=16, hidden_size=64, intermediate_size=96, loops=3)
+
+
+@pytest.fixture(scope="module")
+def batches(training_batch):
+    return training_batch(L, pad_from=7, loss_from=(4, 3)), training_batch(L + 3, pad_from=10, loss_from=(5, 3))
+
+
+def recipe_at(alpha: float, C: int, align_beta: float):
+    interp, step = {0.3: (10, 3), 1.0: (0, 0)}[alpha]  # alpha(step) = step / interpolation_steps
+    return load_recipe("tiny-phase1", overrides={"chunk_size": C, "interpolation_steps": interp, "align_beta": align_beta,
+                                                 "prompt_as_one_chunk": False}), step
+
+
+def train_once(student, teacher, batch, recipe, step):
+    n_loss, n_tok = float(batch["loss_mask"][:, 1:].sum()), float(batch["attention_mask"].sum())
+    terms, out = forward_objective(student, teacher, batch, recipe, step, n_loss_tokens=n_loss, n_tokens=n_tok)
+    terms.total.backward()
+    grads = {n: p.grad.clone() for n, p in student.named_parameters() if p.grad is not None}
+    student.zero_grad(set_to_none=True)
+    return terms.total.item(), grads, out.gate_means
+
+
+CASES = {
+    # phase 1 mid-transition: base and MELT entries, the mixed cache, the alignment loss (o's gradient)
+    "melt-elementwise-phase1-C3": ("elementwise", 0.3, 3, 0.1),
+    # MELT's shared cache at chunk 1, the rule it decodes with
+    "melt-scalar-C1": ("scalar", 1.0, 1, 0.0),
+    # Ouro's per-loop cache: one chunk, the whole row
+    "looplm": (None, 1.0, 3, 0.1),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", list(CASES))
+def test_the_captured_step_gives_the_eager_gradients_without_a_graph_break(looplm, batches, case):
+    gate, alpha, C, align_beta = CASES[case]
+    recipe, step = recipe_at(alpha, C, align_beta)
+    batch, longer = batches
+
+    def student():
+        if gate is None:
+            model = copy.deepcopy(looplm).train()
+        else:
+            model = MeltForCausalLM.from_looplm(looplm, gate=gate, seed=1).train()
+        model.model.early_exit_gate.requires_grad_(False)
+        model.gradient_checkpointing_enable()
+        return model
+
+    eager = train_once(student(), looplm, batch, recipe, step)
+    torch._dynamo.reset()  # other tests' graphs count toward the recompile limit
+    captured_model = student()
+    captured_model.model.compile_captured_step()
+    breaks = sum(counters["graph_break"].values())
+    graphs = counters["stats"]["unique_graphs"]
+    captured = train_once(captured_model, looplm, batch, recipe, step)
+    assert counters["stats"]["unique_graphs"] > graphs  # really compiled, not run eagerly
+    assert sum(counters["graph_break"].values()) == breaks
+
+    assert abs(captured[0] - eager[0]) < 1e-9
+    assert set(captured[1]) == set(eager[1]) and len(eager[1]) > 10
+    for name in eager[1]:
+        torch.testing.assert_close(captured[1][name], eager[1][name], atol=1e-9, rtol=0, msg=name)
+    if gate in ("elementwise", "scalar"):  # the gate statistics training logs, chunk means taken in fp32
+        torch.testing.assert_close(captured[2], eager[2], atol=1e-6, rtol=0, equal_nan=True)
+
+    # the same step again, and a batch 3 tokens longer: every chunk runs graphs compiled already (a MELT chunk
+    # reads its key's store whole, its length a dynamic size; Ouro's one chunk is the row, so a new length is a
+    # new shape there)
+    graphs = counters["stats"]["unique_graphs"]
+    again = train_once(captured_model, looplm, batch, recipe, step)
+    assert again[0] == captured[0]
+    if gate is not None:
+        longer_eager = train_once(student(), looplm, longer, recipe, step)
+        longer_captured = train_once(captured_model, looplm, longer, recipe, step)
+        assert abs(longer_captured[0] - longer_eager[0]) < 1e-9
+    assert counters["stats"]["unique_graphs"] == graphs
+    assert sum(counters["graph_break"].values()) == breaks
+
+
+def test_recipes_take_compile_captured_and_refuse_other_words():
+    assert load_recipe("tiny-phase1", overrides={"compile": "captured", "prompt_as_one_chunk": False}).compile == "captured"
+    assert load_recipe("tiny-phase1", overrides={"compile": "true", "prompt_as_one_chunk": False}).compile is True
+    with pytest.raises(UserError, match="expects true, false or captured"):
+        load_recipe("tiny-phase1", overrides={"compile": "graphs"})
+    with pytest.raises(UserError, match="expects true, false or captured"):
+        load_recipe("tiny-phase1", overrides={"compile": 1})
+
+
+def test_a_captured_step_is_refused_under_several_processes(looplm):
+    """Its backward adds the weights' gradients into .grad itself, bypassing the accumulation DDP and FSDP hook."""
+    recipe = load_recipe("tiny-phase1", overrides={"compile": "captured", "prompt_as_one_chunk": False})
+    student = MeltForCausalLM.from_looplm(looplm, gate="elementwise", seed=1)
+    with pytest.raises(UserError, match="set compile: true"):
+        prepare_student(student, recipe, one_process=False)
+    assert prepare_student(student, recipe, one_process=True) == recipe.chunk_size
+    assert student.model.captured_step is not None
