@@ -32,9 +32,9 @@ still returns its figures). The slots add up to the 420 s budget, so the whole r
 5. phase1_step_compiled: measure 1 with the compiled layer step (compilation timed apart). Last,
    because compilation time is the least predictable and the eager figures answer the aims.
 
-Named only (outside the 7-minute default run): phase1_step_captured (`--only phase1_step_captured`), measure 1
-with `compile_captured_step`: each (layer, loop) step one graph forward and one for its recompute and backward,
-replayed as CUDA graphs (compilation and capture timed apart); and fsdp (`--only fsdp`), `melt-eval train` under FSDP on one GPU
+Named only (outside the 7-minute default run): phase1_step_captured, measure 1 with `compile_captured_step`: each
+(layer, loop) step one graph forward and one for its recompute and backward (compilation timed apart);
+phase1_step_captured_graphed, the same replayed as CUDA graphs (`cuda_graphs=True`); and fsdp (`--only fsdp`), `melt-eval train` under FSDP on one GPU
 (Accelerate runs FSDP on accelerators only, so the CPU tests cannot; docs/results/2026-11-27-distributed.md):
 `tiny-phase1` at alpha 1, 4 steps, launched plainly and with melt_eval/recipes/accelerate/fsdp.yaml
 (`--num_processes 1`): the FSDP run's recorded layout, its loss and gradient norm at every step against the
@@ -89,8 +89,8 @@ MEASURES = ("phase1_step", "decode", "decode_graphed", "chunk_overhead", "phase1
 # Seconds each measure may take at most, its process start-up included (the first H100 run took 109 s for
 # phase1_step, 24 s for decode and 122 s for chunk_overhead): they add up to the default budget, and a
 # measure cuts its own work short (its Clock) before the parent would kill it.
-OPT_IN = ("fsdp", "phase1_step_captured")  # run only when named with --only
-SLOTS = {"fsdp": 240, "phase1_step_captured": 150, "phase1_step": 120, "decode": 40, "decode_graphed": 110, "chunk_overhead": 60, "phase1_step_compiled": 90}
+OPT_IN = ("fsdp", "phase1_step_captured", "phase1_step_captured_graphed")  # run only when named with --only
+SLOTS = {"fsdp": 240, "phase1_step_captured": 150, "phase1_step_captured_graphed": 150, "phase1_step": 120, "decode": 40, "decode_graphed": 110, "chunk_overhead": 60, "phase1_step_compiled": 90}
 # What a fresh process may already hold on the device: its own CUDA context (about 0.5 GiB on an H100).
 CONTEXT_SLACK = 2 * 2**30
 GiB = 2**30
@@ -327,8 +327,8 @@ def prefix_attention_check(device: torch.device) -> dict:
 
 
 def phase1(report: Report, measure: str, shapes: Shapes, device: torch.device, clock: Clock, compiled: bool | str) -> None:
-    """compiled: False (eager), True (`compile_layer_step`) or "captured" (`compile_captured_step`: each (layer,
-    loop) step whole, forward and recompute with backward, as CUDA graphs on CUDA)."""
+    """compiled: False (eager), True (`compile_layer_step`), "captured" (`compile_captured_step`: each (layer, loop)
+    step whole, forward and recompute with backward) or "captured_graphed" (the same, replayed as CUDA graphs)."""
     trainer = Trainer(shapes, device, clock)
     check = prefix_attention_check(device)
     report.put(measure, prefix_attention_check=check)
@@ -340,8 +340,9 @@ def phase1(report: Report, measure: str, shapes: Shapes, device: torch.device, c
         report.put(measure, prefix_attention="recomputed in the backward (the check failed)")
     L, C = shapes.seq_len, shapes.chunk
     if compiled:
-        compile_step = (trainer.student.model.compile_captured_step if compiled == "captured"
-                        else trainer.student.model.compile_layer_step)
+        model = trainer.student.model
+        compile_step = (lambda **kw: model.compile_captured_step(cuda_graphs=compiled == "captured_graphed", **kw)
+                        if compiled in ("captured", "captured_graphed") else model.compile_layer_step)
         if shapes.compile_backend == "inductor":
             compile_step()
         else:
@@ -665,6 +666,8 @@ RUNNERS = {
     "phase1_step_compiled": lambda r, sh, d, c: phase1(r, "phase1_step_compiled", sh, d, c, compiled=True),
     "fsdp": fsdp,
     "phase1_step_captured": lambda r, sh, d, c: phase1(r, "phase1_step_captured", sh, d, c, compiled="captured"),
+    "phase1_step_captured_graphed": lambda r, sh, d, c: phase1(r, "phase1_step_captured_graphed", sh, d, c,
+                                                               compiled="captured_graphed"),
 }
 STARTUP_S = 15  # a child's imports and device start-up, inside its slot
 
@@ -727,7 +730,8 @@ def main(argv=None) -> dict:
     # the least time each measure needs to be worth starting
     minimum = {"phase1_step": 10 if args.quick else 60, "decode": 20 if args.quick else 40, "decode_graphed": 30 if args.quick else 60,
                "chunk_overhead": 20 if args.quick else 45, "phase1_step_compiled": 30 if args.quick else 90,
-               "fsdp": 5 if args.quick else 120, "phase1_step_captured": 30 if args.quick else 120}
+               "fsdp": 5 if args.quick else 120, "phase1_step_captured": 30 if args.quick else 120,
+               "phase1_step_captured_graphed": 30 if args.quick else 120}
     part = (args.json or Path(os.environ.get("TMPDIR", "/tmp")) / "gpu").with_suffix(".measure.json")
     for name in chosen:
         # --quick (the CPU test) has no GPU minutes to save: a measure may take what is left of the budget

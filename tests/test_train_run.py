@@ -149,15 +149,16 @@ def test_compiled_token_step_trains_the_demo_recipe_like_eager(tmp_path):
 
 
 @pytest.mark.slow
-def test_compiled_layer_step_trains_like_eager_and_may_change_on_resume(tmp_path):
-    """`compile: true` pads rows to whole chunks and compiles the layer step: the same losses as
-    eager; being an execution field, it may be switched off when resuming. (Weights are not
-    compared: AdamW turns float-rounding differences in near-zero gradients into lr-sized steps.)"""
+@pytest.mark.parametrize("mode", [True, "captured"], ids=["layer-step", "captured"])
+def test_compiled_layer_step_trains_like_eager_and_may_change_on_resume(tmp_path, mode):
+    """`compile: true` pads rows to whole chunks and compiles the layer step (`compile: captured`: each (layer,
+    loop) step whole): the same losses as eager; being an execution field, it may be switched off when resuming.
+    (Weights are not compared: AdamW turns float-rounding differences in near-zero gradients into lr-sized steps.)"""
     common = {**FAST_OVERRIDES, "max_steps": 2, "interpolation_steps": 0, "chunk_size": 16,
               "prompt_as_one_chunk": False}  # compile pads to whole chunks from the first token
     eager = run_recipe("tiny-phase1", "tiny-random-ouro", tmp_path / "eager", progress=False, overrides=common)
     run_recipe("tiny-phase1", "tiny-random-ouro", tmp_path / "compiled", progress=False, stop_after=1,
-               overrides={**common, "compile": True, "save_every": 1})
+               overrides={**common, "compile": mode, "save_every": 1})
     logged = json.loads((tmp_path / "compiled" / "logs" / "metrics.jsonl").read_text().splitlines()[0])
     resumed = run_recipe("tiny-phase1", "tiny-random-ouro", tmp_path / "compiled", progress=False, resume=True,
                          overrides={**common, "save_every": 1})

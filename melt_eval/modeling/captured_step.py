@@ -2,8 +2,9 @@
 
 `compile_layer_step` compiles the parts before and after the attention and leaves the attention to eager code,
 because the training store addresses a chunk's prefix by Python ints (`kv_cache.TrainingKVBuffer`). Here the step
-takes its key's store buffer at its static capacity S and the chunk's start as a device-side 0-dim tensor, so the
-whole step, attention included, is one function of tensors (docs/method.md#chunks):
+takes its key's store buffer whole, all S columns (the padded length, a dynamic size of the graphs), and the
+chunk's start as a device-side 0-dim tensor, so the whole step, attention included, is one function of tensors
+(docs/method.md#chunks):
 
     keys  = prefix with the chunk's own entry written at columns [start, start + c)
     heads = softmax(q k^T / sqrt(hd) + M) v,  M[i, j] = 0 where j <= start + i, -inf elsewhere
@@ -11,7 +12,7 @@ whole step, attention included, is one function of tensors (docs/method.md#chunk
 Column j <= start + i is an earlier token's final entry or, within the chunk, the entry of a token at or before
 i: the bottom-right causal rule of `kv_cache.chunk_attention`, over S keys instead of start + c. No shape
 depends on the chunk's index, so each graph compiles once (`fullgraph=True`) and replays at every chunk; on CUDA
-the graphs can be captured (`mode="reduce-overhead"`).
+they can be replayed as CUDA graphs (`LoopLMModel.compile_captured_step(cuda_graphs=True)`).
 
 The forward keeps only the step's inputs x and h_{t-1} (the step is its own activation checkpoint). The backward
 runs the step again under `torch.func.vjp` inside one compiled graph, adds the weights' gradients into their

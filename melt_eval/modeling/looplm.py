@@ -397,13 +397,17 @@ class LoopLMModel(nn.Module):
         self.grads_in_place = grads_in_place
         self.layer_step_compiled = True
 
-    def compile_captured_step(self, cuda_graphs: bool = True, **compile_kwargs) -> None:
+    def compile_captured_step(self, cuda_graphs: bool = False, **compile_kwargs) -> None:
         """Train with every (layer, loop) step as two whole graphs, its forward and its recompute with backward,
-        attention included (`captured_step.py`): compiled with fullgraph=True, no graph depends on the chunk's
-        index, and on CUDA they replay as CUDA graphs unless `cuda_graphs` is off. Each step attends over its
-        key's whole store (the sequence's padded length) under a mask from the chunk's device-side start, so a
-        new padded length compiles once, as a new chunk shape does. The weights' gradients are added into .grad
-        in place (as `compile_layer_step(grads_in_place=True)`): one process only."""
+        attention included (`captured_step.py`), compiled with fullgraph=True; no graph depends on the chunk's
+        index. Each step attends over its key's whole store (a dynamic size: any padded length runs the same
+        graphs) under a mask from the chunk's device-side start. The weights' gradients are added into .grad in
+        place (as `compile_layer_step(grads_in_place=True)`): one process only.
+
+        cuda_graphs: on CUDA, replay the graphs as CUDA graphs (`mode="reduce-overhead"`). Off by default until
+        a GPU has measured it: a step runs N T times per chunk with its outputs alive, which CUDA graph trees
+        record as separate graphs, and the backward adds into .grad in place, which they may run uncaptured
+        (benchmarks/gpu.py --only phase1_step_captured,phase1_step_captured_graphed measures both)."""
         options = {"fullgraph": True, "dynamic": False, **compile_kwargs}
         if cuda_graphs and next(self.parameters()).device.type == "cuda":
             options.setdefault("mode", "reduce-overhead")

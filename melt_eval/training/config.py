@@ -106,7 +106,7 @@ class Recipe:
     # chunk 1 compiles each token's whole chunk instead (`compile_token_step`, O(L^2) memory, worth its
     # compile time at the demo's size: docs/results/2026-11-26-benchmarks.md#one-compiled-function-per-token).
     # captured: each (layer, loop) step whole, attention included, one graph forward and one for its recompute and
-    # backward (`compile_captured_step`; CUDA graphs on CUDA; one process)
+    # backward (`compile_captured_step`; one process)
     compile: bool | str = False  # true, false or captured; in EXECUTION_FIELDS
     seed: int = 0
     # --- bookkeeping -----------------------------------------------------------------------
