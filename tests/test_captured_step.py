@@ -107,8 +107,9 @@ def test_recipes_take_compile_captured_and_refuse_other_words():
     assert load_recipe("tiny-phase1", overrides={"compile": "true", "prompt_as_one_chunk": False}).compile is True
     with pytest.raises(UserError, match="expects true, false or captured"):
         load_recipe("tiny-phase1", overrides={"compile": "graphs"})
-    with pytest.raises(UserError, match="expects true, false or captured"):
-        load_recipe("tiny-phase1", overrides={"compile": 1})
+    for wrong in (1, 0.0, ["captured"]):
+        with pytest.raises(UserError, match="expects true, false or captured"):
+            load_recipe("tiny-phase1", overrides={"compile": wrong})
 
 
 def test_a_captured_step_is_refused_under_several_processes(looplm):

@@ -94,8 +94,8 @@ def step_forward(layer, norm, weights, norm_weight, x, h_prev, cos, sin, prefix,
 def step_backward(layer, norm, weights, grads, norm_weight, norm_grad, x, h_prev, cos, sin, prefix, prefix_grad,
                   start, mix_weight, cotangents, kind):
     """The step's recompute and backward: adds d/dweights into `grads` (their .grad), d/dnorm_weight into
-    `norm_grad`, d/dprefix into `prefix_grad` (the store's fp32 buffer, or a scratch one at the first chunk);
-    returns (dx, dh_prev). `cotangents`: the gradients of the step's differentiable outputs (x, h, o, base, melt
+    `norm_grad`, d/dprefix into `prefix_grad` (the key's slice of the store's fp32 gradient buffer, which the
+    commits of earlier chunks hand out); returns (dx, dh_prev). `cotangents`: the gradients of the step's differentiable outputs (x, h, o, base, melt
     where the kind has them), in that order."""
     names = list(weights)
     primals = {"weights": [weights[n] for n in names], "x": x, "prefix": prefix}
@@ -158,7 +158,6 @@ class StepCall:
     def __init__(self, model, layer, stand_ins: dict, cos, sin, prefix, store, key, start, mix_weight, kind: StepKind):
         self.model, self.layer, self.cos, self.sin, self.prefix = model, layer, cos, sin, prefix
         self.store, self.key, self.start, self.mix_weight, self.kind = store, key, start, mix_weight, kind
-        self.names = list(stand_ins)
         self.weights = {name: weight for name, (weight, _) in stand_ins.items()}
         self.grads = [grad for _, grad in stand_ins.values()]
         norm = model.norm.weight

@@ -414,7 +414,7 @@ def _coerce(raw: dict) -> dict:
             raise UserError(f"recipe key {key} expects a whole number (or null), got {value!r}")
         if t == "bool | str":  # compile
             value = {"true": True, "false": False}.get(value.lower(), value) if isinstance(value, str) else value
-            if value not in (True, False, "captured") or isinstance(value, int) and not isinstance(value, bool):
+            if not (isinstance(value, bool) or value == "captured"):
                 raise UserError(f"recipe key {key} expects true, false or captured, got {value!r}")
         if t == "str | None" and value is not None and not isinstance(value, str):
             raise UserError(f"recipe key {key} expects a string (or null), got {value!r}")
