@@ -30,10 +30,10 @@ def batches(training_batch):
     return training_batch(L, pad_from=7, loss_from=(4, 3)), training_batch(L + 3, pad_from=10, loss_from=(5, 3))
 
 
-def recipe_at(alpha: float, C: int, align_beta: float):
+def recipe_at(alpha: float, C: int, align_beta: float, **overrides):
     interp, step = {0.3: (10, 3), 1.0: (0, 0)}[alpha]  # alpha(step) = step / interpolation_steps
     return load_recipe("tiny-phase1", overrides={"chunk_size": C, "interpolation_steps": interp, "align_beta": align_beta,
-                                                 "prompt_as_one_chunk": False}), step
+                                                 "prompt_as_one_chunk": False, **overrides}), step
 
 
 def train_once(student, teacher, batch, recipe, step):
@@ -45,28 +45,32 @@ def train_once(student, teacher, batch, recipe, step):
     return terms.total.item(), grads, out.gate_means
 
 
-CASES = {
+CASES = {  # (gate, alpha, C, align_beta, recipe overrides, MeltForCausalLM.from_looplm options)
     # phase 1 mid-transition: base and MELT entries, the mixed cache, the alignment loss (o's gradient)
-    "melt-elementwise-phase1-C3": ("elementwise", 0.3, 3, 0.1),
+    "melt-elementwise-phase1-C3": ("elementwise", 0.3, 3, 0.1, {}, {}),
     # MELT's shared cache at chunk 1, the rule it decodes with
-    "melt-scalar-C1": ("scalar", 1.0, 1, 0.0),
+    "melt-scalar-C1": ("scalar", 1.0, 1, 0.0, {}, {}),
+    # a LoopLM's 2 key/value heads mean-pooled into 1 when converting (grouped-query MELT, recipe kv_heads)
+    "melt-kv-heads-1-C3": ("elementwise", 1.0, 3, 0.1, {}, {"kv_heads": 1}),
+    # exit-aware training: reply tokens leave their shared entries at drawn loops
+    "melt-exit-aware-C3": ("elementwise", 1.0, 3, 0.0, {"exit_aware_p": 0.9, "exit_aware_loops": [1, 2]}, {}),
     # Ouro's per-loop cache: one chunk, the whole row
-    "looplm": (None, 1.0, 3, 0.1),
+    "looplm": (None, 1.0, 3, 0.1, {}, {}),
 }
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("case", list(CASES))
 def test_the_captured_step_gives_the_eager_gradients_without_a_graph_break(looplm, batches, case):
-    gate, alpha, C, align_beta = CASES[case]
-    recipe, step = recipe_at(alpha, C, align_beta)
+    gate, alpha, C, align_beta, overrides, conversion = CASES[case]
+    recipe, step = recipe_at(alpha, C, align_beta, **overrides)
     batch, longer = batches
 
     def student():
         if gate is None:
             model = copy.deepcopy(looplm).train()
         else:
-            model = MeltForCausalLM.from_looplm(looplm, gate=gate, seed=1).train()
+            model = MeltForCausalLM.from_looplm(looplm, gate=gate, seed=1, **conversion).train()
         model.model.early_exit_gate.requires_grad_(False)
         model.gradient_checkpointing_enable()
         return model
