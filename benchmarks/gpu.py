@@ -32,9 +32,12 @@ still returns its figures). The slots add up to the 420 s budget, so the whole r
 5. phase1_step_compiled: measure 1 with the compiled layer step (compilation timed apart). Last,
    because compilation time is the least predictable and the eager figures answer the aims.
 
-Named only (outside the 7-minute default run): phase1_step_captured, measure 1 with `compile_captured_step`: each
-(layer, loop) step one graph forward and one for its recompute and backward (compilation timed apart);
-phase1_step_captured_graphed, the same replayed as CUDA graphs (`cuda_graphs=True`); and fsdp (`--only fsdp`), `melt-eval train` under FSDP on one GPU
+Named only, with --only (outside the 7-minute default run):
+
+- phase1_step_captured: measure 1 with `compile_captured_step`, each (layer, loop) step one graph forward and one
+  for its recompute and backward (compilation timed apart);
+- phase1_step_captured_graphed: the same, replayed as CUDA graphs (`cuda_graphs=True`);
+- fsdp: `melt-eval train` under FSDP on one GPU
 (Accelerate runs FSDP on accelerators only, so the CPU tests cannot; docs/results/2026-11-27-distributed.md):
 `tiny-phase1` at alpha 1, 4 steps, launched plainly and with melt_eval/recipes/accelerate/fsdp.yaml
 (`--num_processes 1`): the FSDP run's recorded layout, its loss and gradient norm at every step against the
@@ -90,7 +93,8 @@ MEASURES = ("phase1_step", "decode", "decode_graphed", "chunk_overhead", "phase1
 # phase1_step, 24 s for decode and 122 s for chunk_overhead): they add up to the default budget, and a
 # measure cuts its own work short (its Clock) before the parent would kill it.
 OPT_IN = ("fsdp", "phase1_step_captured", "phase1_step_captured_graphed")  # run only when named with --only
-SLOTS = {"fsdp": 240, "phase1_step_captured": 150, "phase1_step_captured_graphed": 150, "phase1_step": 120, "decode": 40, "decode_graphed": 110, "chunk_overhead": 60, "phase1_step_compiled": 90}
+SLOTS = {"phase1_step": 120, "decode": 40, "decode_graphed": 110, "chunk_overhead": 60, "phase1_step_compiled": 90,
+         "fsdp": 240, "phase1_step_captured": 150, "phase1_step_captured_graphed": 150}
 # What a fresh process may already hold on the device: its own CUDA context (about 0.5 GiB on an H100).
 CONTEXT_SLACK = 2 * 2**30
 GiB = 2**30
