@@ -8,12 +8,14 @@ two parameter groups) for several C in one run, next to C = L and to the LoopLM 
 
     python benchmarks/train_throughput.py [--quick] [--json] [--preset tiny|small|ouro-1.4b]
         [--seq-len L] [--batch B] [--chunks 16,64,256] [--steps N] [--interp] [--compile] [--captured]
+        [--checkpointing]
 
 Random weights and tokens: throughput does not depend on what the model knows.
 `--interp` adds phase-1 rows (alpha < 1: both KV sets are computed). `--compile` times every
 MELT row again with the layer step compiled (recipe `compile: true`; its compilation falls in
 the untimed warm-up step) and fits the fixed cost per chunk of both, before and after. `--captured` does the
-same with each (layer, loop) step captured whole (recipe `compile: captured`).
+same with each (layer, loop) step captured whole (recipe `compile: captured`), which always recomputes its
+forward in its backward: `--checkpointing` gives the other rows activation checkpointing too.
 """
 
 from __future__ import annotations
@@ -105,6 +107,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--interp", action="store_true", help="also time phase-1 steps (alpha < 1, both KV sets)")
     ap.add_argument("--compile", action="store_true", help="also time the MELT rows with the layer step torch.compile'd")
     ap.add_argument("--captured", action="store_true", help="also time the MELT rows with each (layer, loop) step captured whole")
+    ap.add_argument("--checkpointing", action="store_true",
+                    help="MELT with activation checkpointing (the captured step always recomputes; this makes the rows alike)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = ap.parse_args(argv)
 
@@ -118,6 +122,8 @@ def main(argv=None) -> dict:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
 
     looplm, melt = build(preset, device, dtype)
+    if args.checkpointing:  # as the paper's recipes train; the compiled and captured copies inherit it
+        melt.gradient_checkpointing_enable()
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, PRESETS[preset]["vocab_size"], (B, L), generator=g).to(device)
     batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids, dtype=torch.bool),
@@ -157,7 +163,7 @@ def main(argv=None) -> dict:
 
     machine = (torch.cuda.get_device_name(device) if device.type == "cuda"
                else f"{platform.processor() or platform.machine()} CPU, {torch.get_num_threads()} threads")
-    result = {"machine": machine, "preset": preset, "seq_len": L, "batch": B, "steps": steps,
+    result = {"machine": machine, "preset": preset, "seq_len": L, "batch": B, "steps": steps, "checkpointing": args.checkpointing,
               "dtype": str(dtype).replace("torch.", ""), "loops": 4, "rows": rows,
               "per_chunk_s": per_chunk, "fixed_s": fixed}
     if args.compile:
