@@ -79,6 +79,16 @@ def training_batch():
 
 
 @pytest.fixture(scope="module")
+def chunk_looplm(random_looplm):
+    """The float64 LoopLM the chunk-wise training paths are checked on against their references (grouped-query,
+    3 loops): float64 so that two orders of the same sums agree to 1e-9."""
+    import torch
+
+    return random_looplm(0.1, torch.float64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         head_dim=16, hidden_size=64, intermediate_size=96, loops=3)
+
+
+@pytest.fixture(scope="module")
 def tiny_dirs():
     """The tiny checkpoints the loading tests copy and damage: Ouro, MELT and a plain Llama."""
     from melt_eval.modeling.loading import resolve_model_dir

@@ -20,12 +20,6 @@ L = 9  # whole chunks of 3, as training pads rows under compile
 
 
 @pytest.fixture(scope="module")
-def looplm(random_looplm):
-    return random_looplm(0.1, torch.float64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                         head_dim=16, hidden_size=64, intermediate_size=96, loops=3)
-
-
-@pytest.fixture(scope="module")
 def batches(training_batch):
     return training_batch(L, pad_from=7, loss_from=(4, 3)), training_batch(L + 3, pad_from=10, loss_from=(5, 3))
 
@@ -61,27 +55,27 @@ CASES = {  # (gate, alpha, C, align_beta, recipe overrides, MeltForCausalLM.from
 
 @pytest.mark.slow
 @pytest.mark.parametrize("case", list(CASES))
-def test_the_captured_step_gives_the_eager_gradients_without_a_graph_break(looplm, batches, case):
+def test_the_captured_step_gives_the_eager_gradients_without_a_graph_break(chunk_looplm, batches, case):
     gate, alpha, C, align_beta, overrides, conversion = CASES[case]
     recipe, step = recipe_at(alpha, C, align_beta, **overrides)
     batch, longer = batches
 
     def student():
         if gate is None:
-            model = copy.deepcopy(looplm).train()
+            model = copy.deepcopy(chunk_looplm).train()
         else:
-            model = MeltForCausalLM.from_looplm(looplm, gate=gate, seed=1, **conversion).train()
+            model = MeltForCausalLM.from_looplm(chunk_looplm, gate=gate, seed=1, **conversion).train()
         model.model.early_exit_gate.requires_grad_(False)
         model.gradient_checkpointing_enable()
         return model
 
-    eager = train_once(student(), looplm, batch, recipe, step)
+    eager = train_once(student(), chunk_looplm, batch, recipe, step)
     torch._dynamo.reset()  # other tests' graphs count toward the recompile limit
     captured_model = student()
     captured_model.model.compile_captured_step()
     breaks = sum(counters["graph_break"].values())
     graphs = counters["stats"]["unique_graphs"]
-    captured = train_once(captured_model, looplm, batch, recipe, step)
+    captured = train_once(captured_model, chunk_looplm, batch, recipe, step)
     assert counters["stats"]["unique_graphs"] > graphs  # really compiled, not run eagerly
     assert sum(counters["graph_break"].values()) == breaks
 
@@ -96,11 +90,11 @@ def test_the_captured_step_gives_the_eager_gradients_without_a_graph_break(loopl
     # reads its key's store whole, its length a dynamic size; Ouro's one chunk is the row, so a new length is a
     # new shape there)
     graphs = counters["stats"]["unique_graphs"]
-    again = train_once(captured_model, looplm, batch, recipe, step)
+    again = train_once(captured_model, chunk_looplm, batch, recipe, step)
     assert again[0] == captured[0]
     if gate is not None:
-        longer_eager = train_once(student(), looplm, longer, recipe, step)
-        longer_captured = train_once(captured_model, looplm, longer, recipe, step)
+        longer_eager = train_once(student(), chunk_looplm, longer, recipe, step)
+        longer_captured = train_once(captured_model, chunk_looplm, longer, recipe, step)
         assert abs(longer_captured[0] - longer_eager[0]) < 1e-9
     assert counters["stats"]["unique_graphs"] == graphs
     assert sum(counters["graph_break"].values()) == breaks
@@ -116,10 +110,10 @@ def test_recipes_take_compile_captured_and_refuse_other_words():
             load_recipe("tiny-phase1", overrides={"compile": wrong})
 
 
-def test_a_captured_step_is_refused_under_several_processes(looplm):
+def test_a_captured_step_is_refused_under_several_processes(chunk_looplm):
     """Its backward adds the weights' gradients into .grad itself, bypassing the accumulation DDP and FSDP hook."""
     recipe = load_recipe("tiny-phase1", overrides={"compile": "captured", "prompt_as_one_chunk": False})
-    student = MeltForCausalLM.from_looplm(looplm, gate="elementwise", seed=1)
+    student = MeltForCausalLM.from_looplm(chunk_looplm, gate="elementwise", seed=1)
     with pytest.raises(UserError, match="set compile: true"):
         prepare_student(student, recipe, one_process=False)
     assert prepare_student(student, recipe, one_process=True) == recipe.chunk_size

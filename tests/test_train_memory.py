@@ -21,12 +21,6 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
-def looplm(random_looplm):
-    return random_looplm(0.1, torch.float64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                         head_dim=16, hidden_size=64, intermediate_size=96, loops=3)
-
-
-@pytest.fixture(scope="module")
 def batch(training_batch):
     return training_batch(L, pad_from=8, loss_from=(4, 3))
 
@@ -59,10 +53,10 @@ def loss_counts(batch) -> dict[str, float]:
     return dict(n_loss_tokens=float(batch["loss_mask"][:, 1:].sum()), n_tokens=float(batch["attention_mask"].sum()))
 
 
-def assert_reference_step(terms, student, twin, looplm, batch, C, alpha, align_beta, whole_prompt) -> None:
+def assert_reference_step(terms, student, twin, chunk_looplm, batch, C, alpha, align_beta, whole_prompt) -> None:
     """The objective's loss and every gradient equal the concatenating reference's (run on `twin`)."""
     terms.total.backward()
-    ref_total, ref_sft = reference_loss(twin, looplm, batch, C, alpha, align_beta, first_chunk=3 if whole_prompt else 0)
+    ref_total, ref_sft = reference_loss(twin, chunk_looplm, batch, C, alpha, align_beta, first_chunk=3 if whole_prompt else 0)
     ref_total.backward()
     assert abs(terms.total.item() - ref_total.item()) < 1e-6
     assert abs(terms.parts["sft"] - ref_sft.item()) < 1e-6
@@ -76,28 +70,28 @@ def assert_reference_step(terms, student, twin, looplm, batch, C, alpha, align_b
 @pytest.mark.parametrize("align_beta", [0.0, 0.1])
 @pytest.mark.parametrize("alpha", [0.0, 0.3, 1.0])
 @pytest.mark.parametrize("gate", GATES)
-def test_gradients_equal_the_concatenating_reference(looplm, batch, gate, alpha, align_beta, C, whole_prompt):
+def test_gradients_equal_the_concatenating_reference(chunk_looplm, batch, gate, alpha, align_beta, C, whole_prompt):
     """whole_prompt: the batch's shortest prompt (3 tokens) is one chunk, then chunks of C (prompt_as_one_chunk)."""
-    student = MeltForCausalLM.from_looplm(looplm, gate=gate, seed=1).train()
+    student = MeltForCausalLM.from_looplm(chunk_looplm, gate=gate, seed=1).train()
     student.model.early_exit_gate.requires_grad_(False)
     twin = copy.deepcopy(student)
     recipe, step = recipe_at(alpha, C, align_beta, whole_prompt)
     assert recipe.alpha(step) == alpha
     counts = loss_counts(batch)
-    terms, _ = forward_objective(student, looplm, batch, recipe, step, **counts)
-    assert_reference_step(terms, student, twin, looplm, batch, C, alpha, align_beta, whole_prompt)
+    terms, _ = forward_objective(student, chunk_looplm, batch, recipe, step, **counts)
+    assert_reference_step(terms, student, twin, chunk_looplm, batch, C, alpha, align_beta, whole_prompt)
 
 
 @pytest.mark.parametrize("gate", ["elementwise", "mean"])
-def test_activation_checkpointing_keeps_the_gradients(looplm, batch, gate):
+def test_activation_checkpointing_keeps_the_gradients(chunk_looplm, batch, gate):
     recipe, step = recipe_at(0.3, 3, 0.1)
     counts = loss_counts(batch)
     results = []
     for checkpointing in (False, True):
-        student = MeltForCausalLM.from_looplm(looplm, gate=gate, seed=1).train()
+        student = MeltForCausalLM.from_looplm(chunk_looplm, gate=gate, seed=1).train()
         if checkpointing:
             student.gradient_checkpointing_enable()
-        terms, _ = forward_objective(student, looplm, batch, recipe, step, **counts)
+        terms, _ = forward_objective(student, chunk_looplm, batch, recipe, step, **counts)
         terms.total.backward()
         results.append(grads(student))
     for name in results[0]:
@@ -105,7 +99,7 @@ def test_activation_checkpointing_keeps_the_gradients(looplm, batch, gate):
 
 
 @pytest.mark.slow
-def test_compiled_layer_step_keeps_the_gradients(looplm, batch):
+def test_compiled_layer_step_keeps_the_gradients(chunk_looplm, batch):
     """torch.compile of the per-(layer, loop) step (recipe `compile: true`), inside activation
     checkpointing, at alpha < 1 (base and MELT entries) with a ragged last chunk: same loss and gradients."""
     recipe, step = recipe_at(0.3, 3, 0.1)
@@ -115,11 +109,11 @@ def test_compiled_layer_step_keeps_the_gradients(looplm, batch):
     graphs_before = counters["stats"]["unique_graphs"]
     results = []
     for compiled in (False, True):
-        student = MeltForCausalLM.from_looplm(looplm, gate="elementwise", seed=1).train()
+        student = MeltForCausalLM.from_looplm(chunk_looplm, gate="elementwise", seed=1).train()
         student.gradient_checkpointing_enable()
         if compiled:
             student.model.compile_layer_step()
-        terms, out = forward_objective(student, looplm, batch, recipe, step, **counts)
+        terms, out = forward_objective(student, chunk_looplm, batch, recipe, step, **counts)
         terms.total.backward()
         results.append((terms.total.item(), grads(student), out.gate_means))
     assert counters["stats"]["unique_graphs"] > graphs_before  # really compiled, not a silent eager fallback
@@ -134,7 +128,7 @@ def test_compiled_layer_step_keeps_the_gradients(looplm, batch):
 
 
 @pytest.mark.slow
-def test_compiled_gradients_added_in_place_accumulate_over_micro_batches(looplm, batch):
+def test_compiled_gradients_added_in_place_accumulate_over_micro_batches(chunk_looplm, batch):
     """The compiled step adds each layer weight's gradient into its .grad inside the compiled backward
     (`grads_in_place`, one process) or leaves the sum to autograd (under DDP/FSDP): both give the eager step's
     gradients summed over two micro-batches, and again after the optimizer sets .grad to None."""
@@ -142,14 +136,14 @@ def test_compiled_gradients_added_in_place_accumulate_over_micro_batches(looplm,
     counts = loss_counts(batch)
     results = {}
     for name, in_place in (("eager", None), ("in place", True), ("autograd", False)):
-        student = MeltForCausalLM.from_looplm(looplm, gate="elementwise", seed=1).train()
+        student = MeltForCausalLM.from_looplm(chunk_looplm, gate="elementwise", seed=1).train()
         student.gradient_checkpointing_enable()
         if in_place is not None:
             student.model.compile_layer_step(grads_in_place=in_place)
         runs = []
         for _ in range(2):  # two optimizer steps' worth, .grad set to None between them as the runner does
             for _ in range(2):  # two micro-batches accumulate into .grad
-                terms, _ = forward_objective(student, looplm, batch, recipe, step, **counts)
+                terms, _ = forward_objective(student, chunk_looplm, batch, recipe, step, **counts)
                 terms.total.backward()
             runs.append(grads(student))
             student.zero_grad(set_to_none=True)
@@ -304,7 +298,7 @@ def test_a_tensor_alpha_mixes_as_a_float_alpha(dtype):
 
 
 @pytest.mark.slow
-def test_compiled_layer_step_follows_alpha_without_recompiling(looplm, batch):
+def test_compiled_layer_step_follows_alpha_without_recompiling(chunk_looplm, batch):
     """Phase 1 moves alpha at every step. The compiled step takes it as a tensor and mixes the chunk's entries
     inside its kernels: a new alpha runs the graphs compiled for the first one, with the eager step's gradients."""
     recipe = load_recipe("tiny-phase1", overrides={"chunk_size": 3, "interpolation_steps": 10, "align_beta": 0.0})
@@ -313,7 +307,7 @@ def test_compiled_layer_step_follows_alpha_without_recompiling(looplm, batch):
 
     models = {}
     for compiled in (False, True):
-        models[compiled] = MeltForCausalLM.from_looplm(looplm, gate="elementwise", seed=1).train()
+        models[compiled] = MeltForCausalLM.from_looplm(chunk_looplm, gate="elementwise", seed=1).train()
         models[compiled].gradient_checkpointing_enable()
     models[True].model.compile_layer_step()
     for step in (3, 6):
@@ -323,7 +317,7 @@ def test_compiled_layer_step_follows_alpha_without_recompiling(looplm, batch):
         results = []
         for compiled, student in models.items():
             student.zero_grad(set_to_none=True)
-            terms, _ = forward_objective(student, looplm, batch, recipe, step, **counts)
+            terms, _ = forward_objective(student, chunk_looplm, batch, recipe, step, **counts)
             terms.total.backward()
             results.append(grads(student))
         for name in results[0]:
@@ -336,13 +330,13 @@ def test_compiled_layer_step_follows_alpha_without_recompiling(looplm, batch):
 @pytest.mark.parametrize("align_beta", [0.0, 0.1])
 @pytest.mark.parametrize("alpha", [0.0, 0.3, 1.0])
 @pytest.mark.parametrize("gate", GATES)
-def test_one_function_per_token_gives_the_gradients_of_the_concatenating_reference(looplm, batch, gate, alpha,
+def test_one_function_per_token_gives_the_gradients_of_the_concatenating_reference(chunk_looplm, batch, gate, alpha,
                                                                                     align_beta, whole_prompt):
     """The chunk-1 path of `compile_token_step` (token_step.py), run uncompiled here (the same code torch.compile
     traces): every gate, the interpolation, the alignment term, grouped-query heads, right padding."""
     from melt_eval.modeling.token_step import token_chunk
 
-    student = MeltForCausalLM.from_looplm(looplm, gate=gate, seed=1).train()
+    student = MeltForCausalLM.from_looplm(chunk_looplm, gate=gate, seed=1).train()
     student.model.early_exit_gate.requires_grad_(False)
     twin = copy.deepcopy(student)
     calls = []
@@ -354,13 +348,13 @@ def test_one_function_per_token_gives_the_gradients_of_the_concatenating_referen
     student.model.token_step = counted
     recipe, step = recipe_at(alpha, 1, align_beta, whole_prompt)
     counts = loss_counts(batch)
-    terms, _ = forward_objective(student, looplm, batch, recipe, step, **counts)
+    terms, _ = forward_objective(student, chunk_looplm, batch, recipe, step, **counts)
     assert len(calls) == L - (3 if whole_prompt else 1)  # the fused path ran: one call per token after the first chunk
-    assert_reference_step(terms, student, twin, looplm, batch, 1, alpha, align_beta, whole_prompt)
+    assert_reference_step(terms, student, twin, chunk_looplm, batch, 1, alpha, align_beta, whole_prompt)
 
 
 @pytest.mark.slow
-def test_compiled_token_step_keeps_the_gradients(looplm, batch):
+def test_compiled_token_step_keeps_the_gradients(chunk_looplm, batch):
     """compile_token_step (recipe `compile: true` at chunk 1) at alpha < 1 with the alignment term, the prompt as
     one chunk: same loss and gradients as the eager store path, and one compilation serves every token."""
     recipe, step = recipe_at(0.3, 1, 0.1, whole_prompt=True)
@@ -369,11 +363,11 @@ def test_compiled_token_step_keeps_the_gradients(looplm, batch):
 
     results = []
     for compiled in (False, True):
-        student = MeltForCausalLM.from_looplm(looplm, gate="elementwise", seed=1).train()
+        student = MeltForCausalLM.from_looplm(chunk_looplm, gate="elementwise", seed=1).train()
         if compiled:
             student.model.compile_token_step()
             graphs_before = counters["stats"]["unique_graphs"]
-        terms, _ = forward_objective(student, looplm, batch, recipe, step, **counts)
+        terms, _ = forward_objective(student, chunk_looplm, batch, recipe, step, **counts)
         terms.total.backward()
         results.append((terms.total.item(), grads(student)))
     assert counters["stats"]["unique_graphs"] == graphs_before + 1  # one graph for all 7 one-token chunks
@@ -401,10 +395,10 @@ def saved_bytes(model, fn) -> int:
 
 
 @pytest.mark.parametrize("checkpointing", [False, True])
-def test_saved_activations_per_token_do_not_grow_with_chunks_or_length(looplm, checkpointing):
+def test_saved_activations_per_token_do_not_grow_with_chunks_or_length(chunk_looplm, checkpointing):
     """The memory the issue measured: bytes saved for backward per token, C = L vs C = L/20."""
-    student = MeltForCausalLM.from_looplm(looplm.float(), gate="elementwise", seed=1).train()
-    looplm.double()
+    student = MeltForCausalLM.from_looplm(chunk_looplm.float(), gate="elementwise", seed=1).train()
+    chunk_looplm.double()
     if checkpointing:
         student.gradient_checkpointing_enable()
     per_token = {}
@@ -419,7 +413,7 @@ def test_saved_activations_per_token_do_not_grow_with_chunks_or_length(looplm, c
 
 @pytest.mark.parametrize("checkpointing", [False, True])
 @pytest.mark.parametrize("alpha", [0.3, 1.0])
-def test_a_training_step_frees_its_kv_buffers(looplm, monkeypatch, checkpointing, alpha):
+def test_a_training_step_frees_its_kv_buffers(chunk_looplm, monkeypatch, checkpointing, alpha):
     """Each step's KV buffers are freed once its backward is done. A reference cycle through the autograd
     graph (the store holding its latest commit, whose node holds the store) once kept every step's
     buffers alive: a 200-step chunk-1 run grew by 100 MB a step and exhausted the machine."""
@@ -436,8 +430,8 @@ def test_a_training_step_frees_its_kv_buffers(looplm, monkeypatch, checkpointing
         stores.append(weakref.ref(self))
 
     monkeypatch.setattr(kv_cache.TrainingKVBuffer, "__init__", tracked)
-    student = MeltForCausalLM.from_looplm(looplm.float(), gate="elementwise", seed=1).train()
-    looplm.double()
+    student = MeltForCausalLM.from_looplm(chunk_looplm.float(), gate="elementwise", seed=1).train()
+    chunk_looplm.double()
     if checkpointing:
         student.gradient_checkpointing_enable()
     out = student(torch.randint(5, 500, (2, 12)), chunk_size=3, alpha=alpha, output_loop_states=True)
@@ -447,13 +441,13 @@ def test_a_training_step_frees_its_kv_buffers(looplm, monkeypatch, checkpointing
     assert len(stores) == 1 and stores[0]() is None
 
 
-def test_right_padding_is_required(looplm):
+def test_right_padding_is_required(chunk_looplm):
     ids = torch.randint(5, 500, (1, 6))
     with pytest.raises(ValueError, match="right-padded"):
-        looplm(ids, attention_mask=torch.tensor([[0, 1, 1, 1, 1, 1]]))
+        chunk_looplm(ids, attention_mask=torch.tensor([[0, 1, 1, 1, 1, 1]]))
 
 
-def test_a_steps_gradient_does_not_depend_on_how_it_is_bucketed(looplm):
+def test_a_steps_gradient_does_not_depend_on_how_it_is_bucketed(chunk_looplm):
     """Length bucketing regroups a step's sequences; with step-level token normalisation the gradient is the same."""
     from melt_eval.training.data import Example, bucket, collate
 
@@ -464,11 +458,11 @@ def test_a_steps_gradient_does_not_depend_on_how_it_is_bucketed(looplm):
     padded = bucket(exs, 2, 0, pad_multiple=3)  # a compiled step's whole chunks
     assert [b["input_ids"].shape[1] for b in padded] == [9, 6]
     for batches in ([collate(exs[:2], 0), collate(exs[2:], 0)], bucket(exs, 2, 0), padded):
-        student = MeltForCausalLM.from_looplm(looplm, gate="elementwise", seed=1).train()
+        student = MeltForCausalLM.from_looplm(chunk_looplm, gate="elementwise", seed=1).train()
         n_loss = sum(float(b["loss_mask"][:, 1:].sum()) for b in batches)
         n_tok = sum(float(b["attention_mask"].sum()) for b in batches)
         for b in batches:
-            terms, _ = forward_objective(student, looplm, b, recipe, step, n_loss_tokens=n_loss, n_tokens=n_tok)
+            terms, _ = forward_objective(student, chunk_looplm, b, recipe, step, n_loss_tokens=n_loss, n_tokens=n_tok)
             terms.total.backward()
         results.append(grads(student))
     for name in results[0]:
