@@ -466,6 +466,47 @@ def test_claims_across_seeds_count_the_runs_each_claim_holds_in(tmp_path, capsys
         assert_one_line_error(capsys, ["claims", *args])
 
 
+def test_claims_across_runs_read_a_saved_claims_json_as_its_results_gave_it(tmp_path, capsys):
+    """A run whose results were not kept: its report/claims.json (as the demo writes it) gives the same table
+    as its results did, and says the run was read so; a file of other claims is refused."""
+    from melt_eval.files import write_json_atomic
+    from melt_eval.report.claims import paper_claims
+
+    for seed, override in ((0, {}), (1, {"gates/scalar": 0.48})):
+        _demo_like_results(tmp_path / f"demo-{seed}" / "results", **override)
+        (tmp_path / f"demo-{seed}" / "demo.json").write_text(json.dumps({"seed": seed, "quick": False}))
+    saved = tmp_path / "demo-1" / "report" / "claims.json"
+    saved.parent.mkdir()
+    write_json_atomic(saved, [c.to_json() for c in paper_claims(load_results(tmp_path / "demo-1" / "results"))])
+    computed = json.loads(runner.invoke(app, ["claims", str(tmp_path / "demo-0"), str(tmp_path / "demo-1"), "--format", "json"]).output)
+    shutil.rmtree(tmp_path / "demo-1" / "results")
+
+    res = runner.invoke(app, ["claims", str(tmp_path / "demo-0"), str(saved), "--format", "json"])
+    assert res.exit_code == 0, res.output
+    got = json.loads(res.output)
+    assert got["claims"] == computed["claims"] and got["gate_head_to_head"] == computed["gate_head_to_head"]
+    assert [(r["label"], r["claims_hold"], r["verdicts"]) for r in got["runs"]] == [
+        ("seed 0", 7, "computed from results"), ("seed 1", 6, "read from claims.json")]
+    md = runner.invoke(app, ["claims", str(tmp_path / "demo-0"), str(saved), "--format", "markdown"]).output
+    assert "| Claim | seed 0 | seed 1 | Holds in | The paper |" in md
+    assert "Read as saved in their claims.json, not computed from results: seed 1." in md
+    assert "not computed" not in runner.invoke(app, ["claims", str(tmp_path / "demo-0"), "--format", "markdown"]).output
+
+    # the directory without its results: one line naming the saved file
+    from helpers import main_exit_code
+
+    assert main_exit_code(["claims", str(tmp_path / "demo-1")]) == 2
+    assert f"or {saved} to read its saved verdicts" in capsys.readouterr().err
+    # another version's claims (a threshold changed, a claim missing), another JSON file, not JSON: refused
+    claims = json.loads(saved.read_text())
+    other = tmp_path / "other.json"
+    for text in (json.dumps([dict(claims[0], threshold="MELT / teacher >= 0.80, cache = 1/T"), *claims[1:]]),
+                 json.dumps(claims[:-1]), json.dumps({"seed": 1}), json.dumps([{"claim": c["claim"]} for c in claims]),
+                 "not json"):
+        other.write_text(text)
+        assert_one_line_error(capsys, ["claims", str(other)])
+
+
 def test_mistakes_table_counts_where_each_wrong_reply_first_goes_wrong(tmp_path):
     """From each evaluation's details.jsonl beside its results.json, against the synthetic test split: wrong
     replies by first mistake, problems never right, right answers reached through a wrong step."""

@@ -28,7 +28,10 @@ step under NOISE standard errors, a ✗ whose every failing step is (another mac
 another seed, could turn it).
 
 `claims_of_runs` checks the same claims in several runs (the demo at several seeds) for one table across
-them (`melt-eval claims DIR...`): how many runs each claim holds in is what says whether it is robust.
+them (`melt-eval claims DIR...`): how many runs each claim holds in is what says whether it is robust. A run
+can also be the claims.json a demo wrote (`read_saved_claims`): its verdicts are read as
+saved, for runs whose results directories were not kept (a demo's results are megabytes, its claims.json a few
+kilobytes), and the table says which runs were read so.
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from melt_eval.errors import UserError
-from melt_eval.jsonio import read_text
+from melt_eval.jsonio import read_json, read_text
 from melt_eval.protocol import variants
 from melt_eval.report.results import Result, ResultSet, load_results
 
@@ -478,6 +481,7 @@ class RunClaims:
     label: str  # "seed 3" for a demo directory, else the directory's name
     path: Path
     claims: list[Claim]
+    saved: bool = False  # read back from a claims.json (`read_saved_claims`), not computed from results
 
     @property
     def holding(self) -> int:
@@ -503,15 +507,41 @@ def _demo_label(directory: Path) -> str | None:
     return f"seed {demo['seed']}" + (" (--quick)" if demo.get("quick") else "")
 
 
-def claims_of_runs(directories: list[Path]) -> list[RunClaims]:
-    """Each run's claims, computed from its results (never read back from its claims.json), labelled by
-    the demo's seed where the directory is a demo's; directory names where the seeds would not tell runs apart."""
+def _run_directory(path: Path) -> Path:
+    """The run a path stands for: a directory itself; for a claims.json, the demo directory of
+    DIR/report/claims.json, else the directory holding the file."""
+    if path.is_dir():
+        return path
+    return path.parent.parent if path.parent.name == "report" else path.parent
+
+
+def read_saved_claims(path: Path) -> list[Claim]:
+    """A claims.json (`Claim.to_json` of each claim, in order) back into Claims. It must hold this version's
+    claims, in this version's order and with its thresholds: a file another version wrote, with other claims
+    or thresholds, would put unlike verdicts side by side."""
+    data = read_json(path, "a claims.json")
+    expected = [(text, threshold) for text, threshold, _ in CHECKS]
+    fields = {"claim", "measured", "threshold", "holds", "close_call", "brief", "values", "paper", "paper_holds"}
+    if (not isinstance(data, list) or not all(isinstance(c, dict) and fields <= set(c) for c in data)
+            or [(c["claim"], c["threshold"]) for c in data] != expected):
+        raise UserError(f"{path} does not hold this version's {len(expected)} claims as the demo writes them; "
+                        "pass the run's directory to check its results again")
+    return [Claim(**{k: c[k] for k in fields}) for c in data]
+
+
+def claims_of_runs(paths: list[Path]) -> list[RunClaims]:
+    """Each run's claims, computed from its results, or read as saved where the path is a claims.json file;
+    labelled by the demo's seed where the run is a demo's; directory names where the seeds would not tell runs
+    apart."""
+    directories = [_run_directory(p) for p in paths]
     labels = [_demo_label(d) for d in directories]
     if None in labels or len(set(labels)) < len(labels):
         labels = [d.name or str(d) for d in directories]
         if len(set(labels)) < len(labels):
-            labels = [str(d) for d in directories]
-    return [RunClaims(label, d, paper_claims(load_results(results_root(d)))) for label, d in zip(labels, directories)]
+            labels = [str(p) for p in paths]
+    return [RunClaims(label, d, read_saved_claims(p), saved=True) if p.is_file()
+            else RunClaims(label, d, paper_claims(load_results(results_root(d))))
+            for label, d, p in zip(labels, directories, paths)]
 
 
 @dataclass
@@ -557,7 +587,7 @@ def across_json(runs: list[RunClaims]) -> dict:
             "paper": first.paper, "paper_holds": first.paper_holds,
         })
     return {"runs": [{"label": r.label, "path": str(r.path), "claims_hold": r.holding, "close_calls": r.close_calls,
-                      "claims": len(r.claims)}
+                      "claims": len(r.claims), "verdicts": "read from claims.json" if r.saved else "computed from results"}
                      for r in runs],
             "claims": claims,
             "gate_head_to_head": {g: {"elementwise_at_least_as_high": h.at_least_as_high, "runs": h.runs,

@@ -73,7 +73,8 @@ def register(app: typer.Typer, *, load_measure_kv: Callable[[], Callable] | None
 
     @app.command()
     def claims(
-        runs: list[Path] = typer.Argument(..., help="Demo output directories (or results roots), e.g. demo-seed0 demo-seed1."),
+        runs: list[Path] = typer.Argument(..., help="Demo output directories (or results roots), e.g. demo-seed0 demo-seed1; "
+                                          "or a run's saved claims.json (e.g. demo-seed2/report/claims.json), read as saved."),
         fmt: ClaimsFormat = typer.Option("table", "--format", help="table | markdown | latex | json."),
     ) -> None:
         """The paper's claims in each run, side by side, how many runs each holds in (the demo at several seeds), and
@@ -82,11 +83,15 @@ def register(app: typer.Typer, *, load_measure_kv: Callable[[], Callable] | None
         from melt_eval.report.tables import claims_across_table
 
         for d in runs:
+            if d.is_file():
+                continue  # a saved claims.json: read and checked by claims_of_runs
             if not d.is_dir():
-                raise UserError(f"{d} is not a directory; pass demo output directories (melt-eval demo --output DIR) "
-                                "or results roots")
+                raise UserError(f"{d} is not a directory or a file; pass demo output directories (melt-eval demo --output DIR), "
+                                "results roots or saved claims.json files")
             if not any(results_root(d).glob("**/results.json")):
-                raise UserError(f"no results under {d}; pass a directory the demo, run or ablate wrote")
+                saved = d / "report" / "claims.json"
+                hint = f", or {saved} to read its saved verdicts" if saved.is_file() else ""
+                raise UserError(f"no results under {d}; pass a directory the demo, run or ablate wrote{hint}")
         checked = claims_of_runs(runs)
         if fmt == "json":
             typer.echo(json.dumps(across_json(checked), indent=2))

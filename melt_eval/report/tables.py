@@ -407,6 +407,8 @@ def claims_across_table(runs) -> Table:
                f"Close: the verdict rests on a gap under {NOISE:g} standard errors (a ✓ with such a step, a ✗ whose "
                "every failing step is one), so a rerun at another seed or on another machine's floats could turn it.",
                "n/a: the results a claim needs are missing."]
+        + ([f"Read as saved in their claims.json, not computed from results: {', '.join(r.label for r in runs if r.saved)}."]
+           if any(r.saved for r in runs) else [])
         + (["Element-wise against each gate alone, runs where it scores at least as high, and the mean of "
             "element-wise minus that gate over the runs (points, ± its standard error over the runs): "
             + ", ".join(f"{g} {h.at_least_as_high} of {h.runs} ({100 * h.mean_gap + 0.0:+.1f}"
