@@ -502,6 +502,9 @@ def test_claims_across_runs_read_a_saved_claims_json_as_its_results_gave_it(tmp_
     other = tmp_path / "other.json"
     for text in (json.dumps([dict(claims[0], threshold="MELT / teacher >= 0.80, cache = 1/T"), *claims[1:]]),
                  json.dumps(claims[:-1]), json.dumps({"seed": 1}), json.dumps([{"claim": c["claim"]} for c in claims]),
+                 json.dumps([dict(claims[0], holds="yes"), *claims[1:]]),  # would be a KeyError in the table
+                 json.dumps([*claims[:4], dict(claims[4], values={"pass@1": {"elementwise": "45", "scalar": 0.4}}),
+                             *claims[5:]]),  # would be a TypeError in the gate pairs
                  "not json"):
         other.write_text(text)
         assert_one_line_error(capsys, ["claims", str(other)])

@@ -522,7 +522,17 @@ def read_saved_claims(path: Path) -> list[Claim]:
     data = read_json(path, "a claims.json")
     expected = [(text, threshold) for text, threshold, _ in CHECKS]
     fields = {"claim", "measured", "threshold", "holds", "close_call", "brief", "values", "paper", "paper_holds"}
-    if (not isinstance(data, list) or not all(isinstance(c, dict) and fields <= set(c) for c in data)
+    def well_formed(c) -> bool:
+        if not (isinstance(c, dict) and fields <= set(c) and isinstance(c["values"], dict)):
+            return False
+        texts = all(c[k] is None or isinstance(c[k], str) for k in ("measured", "brief", "paper"))
+        verdicts = all(c[k] is None or isinstance(c[k], bool) for k in ("holds", "close_call", "paper_holds"))
+        scores = c["values"].get("pass@1", {}) if c["claim"] == GATE_CLAIM else {}  # the gate pairs' arithmetic
+        numbers = isinstance(scores, dict) and all(isinstance(v, (int, float)) and not isinstance(v, bool)
+                                                   for v in scores.values())
+        return texts and verdicts and numbers
+
+    if (not isinstance(data, list) or not all(well_formed(c) for c in data)
             or [(c["claim"], c["threshold"]) for c in data] != expected):
         raise UserError(f"{path} does not hold this version's {len(expected)} claims as the demo writes them; "
                         "pass the run's directory to check its results again")
