@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import json
 import statistics
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields as dataclass_fields
 from pathlib import Path
 
 from melt_eval.errors import UserError
@@ -521,7 +521,7 @@ def read_saved_claims(path: Path) -> list[Claim]:
     or thresholds, would put unlike verdicts side by side."""
     data = read_json(path, "a claims.json")
     expected = [(text, threshold) for text, threshold, _ in CHECKS]
-    fields = {"claim", "measured", "threshold", "holds", "close_call", "brief", "values", "paper", "paper_holds"}
+    fields = {f.name for f in dataclass_fields(Claim)}  # what `Claim.to_json` writes
     def well_formed(c) -> bool:
         if not (isinstance(c, dict) and fields <= set(c) and isinstance(c["values"], dict)):
             return False
