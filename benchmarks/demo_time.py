@@ -1,0 +1,142 @@
+"""The demo's wall time against a reference commit's, the two run one after the other on one machine (issue 51,
+item 5: the demo stays within the 15 minutes of the demo that issue timed).
+
+A demo's wall time belongs to the machine as much as to the code: this project's shared 2-core machines have taken
+1.0-1.8x one another's time for the same run. What carries from one machine to another is the ratio of two
+codes timed back to back on one of them. This runs the full `melt-eval demo` (`--no-progress`, its default jobs
+and threads) at the current checkout and at REF, each with this interpreter, REF in a git worktree made for
+the run and removed after, and reports the ratio; with `--reference-wall`, what the ratio makes of the current
+code's time on the machine where REF's demo took that long.
+
+    python benchmarks/demo_time.py --out /tmp/demo-time [--ref 7111383] [--seed 0] [--order current-first]
+        [--reference-wall 874]
+
+7111383 is the code issue 51 timed at 874 s (14 min 34 s). Each run's record is written as it ends
+(OUT/<label>.json); a second call skips a recorded run and starts an unrecorded one afresh (a demo resumed from
+its cache would not be timed). Writes OUT/demo_time.json and prints one summary; exit 1 if a demo failed
+(its output is in OUT/<label>.log), 2 on bad arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+LABELS = {"current-first": ("current", "ref"), "ref-first": ("ref", "current")}
+
+
+def git(*args: str) -> str:
+    return subprocess.run(["git", "-C", str(REPO), *args], check=True, capture_output=True, text=True).stdout.strip()
+
+
+def resolve(ref: str) -> str | None:
+    """REF's full commit id; None if it names no commit of this repository."""
+    try:
+        return git("rev-parse", "--verify", "--quiet", f"{ref}^{{commit}}")
+    except subprocess.CalledProcessError:
+        return None
+
+
+def refuse(message: str) -> int:
+    print(f"error: {message}", file=sys.stderr)
+    return 2
+
+
+def time_demo(checkout: Path, out: Path, label: str, seed: int, quick: bool = False) -> dict:
+    """One full demo from `checkout` into OUT/demo-<label>, timed from outside; its demo.json's headline beside."""
+    demo_dir = out / f"demo-{label}"
+    shutil.rmtree(demo_dir, ignore_errors=True)  # a cached stage would be reused, not timed
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}  # the demo picks its threads itself
+    env["PYTHONPATH"] = str(checkout)  # this checkout's melt_eval, not the installed one
+    load_start = os.getloadavg()
+    started = time.perf_counter()
+    with open(out / f"{label}.log", "w") as log:
+        rc = subprocess.run([sys.executable, "-m", "melt_eval.cli", "demo", "--output", str(demo_dir), "--no-progress",
+                             "--seed", str(seed), *(["--quick"] if quick else [])], cwd=checkout, env=env, stdout=log, stderr=subprocess.STDOUT).returncode
+    wall = time.perf_counter() - started
+    record = {"label": label, "seed": seed, "quick": quick, "commit": git("-C", str(checkout), "rev-parse", "HEAD"), "returncode": rc,
+              "wall_s": round(wall, 1), "load_average": {"start": [round(x, 2) for x in load_start],
+                                                         "end": [round(x, 2) for x in os.getloadavg()]}}
+    if label == "current":
+        record["uncommitted_changes"] = bool(git("status", "--porcelain", "--untracked-files=no"))
+    demo_json = demo_dir / "demo.json"
+    if rc == 0 and demo_json.exists():
+        demo = json.loads(demo_json.read_text())
+        record.update({k: demo.get(k) for k in ("stages_s", "teacher_pass@1", "melt_pass@1", "claims_hold", "teacher_stop")})
+    return record
+
+
+def summarize(records: dict[str, dict], reference_wall: float | None) -> dict:
+    """The ratio current / ref of the two wall times and, given REF's time on another machine, the current code's
+    estimate there (the ratio times it)."""
+    ratio = records["current"]["wall_s"] / records["ref"]["wall_s"]
+    out = {"ratio": round(ratio, 3)}
+    if reference_wall is not None:
+        out["reference_wall_s"] = reference_wall
+        out["estimate_s"] = round(ratio * reference_wall, 1)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", required=True, type=Path, help="a directory for the two demos, their logs and the records")
+    ap.add_argument("--ref", default="7111383", help="the commit to time against (default: the code issue 51 timed)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--order", choices=sorted(LABELS), default="current-first")
+    ap.add_argument("--quick", action="store_true", help="the demo's --quick: checks this script, times nothing of interest")
+    ap.add_argument("--reference-wall", type=float, default=None, metavar="SECONDS",
+                    help="REF's demo wall time on another machine, to estimate the current code's there")
+    a = ap.parse_args(argv)
+    if a.reference_wall is not None and a.reference_wall <= 0:
+        return refuse("--reference-wall is a time in seconds, above 0")
+    ref = resolve(a.ref)
+    if ref is None:
+        return refuse(f"{a.ref!r} is not a commit of {REPO}; pass --ref a commit id or tag")
+    a.out.mkdir(parents=True, exist_ok=True)
+    records: dict[str, dict] = {}
+    worktree = a.out / f"ref-{ref[:12]}"
+    try:
+        for label in LABELS[a.order]:
+            saved = a.out / f"{label}.json"
+            if saved.exists():
+                records[label] = json.loads(saved.read_text())
+                if (records[label].get("seed"), records[label].get("quick")) != (a.seed, a.quick):
+                    return refuse(f"{saved} timed another demo (seed {records[label].get('seed')}, quick "
+                                  f"{records[label].get('quick')}); pass another --out")
+                continue
+            checkout = REPO
+            if label == "ref":
+                if not worktree.exists():
+                    git("worktree", "add", "--detach", str(worktree.resolve()), ref)
+                checkout = worktree
+            print(f"[demo-time] {label} ({'the checkout' if label == 'current' else ref[:12]}): started at load "
+                  f"{os.getloadavg()[0]:.2f}", flush=True)
+            records[label] = time_demo(checkout, a.out, label, a.seed, a.quick)
+            if records[label]["returncode"] != 0:
+                print(f"[demo-time] {label}: the demo failed (exit {records[label]['returncode']}); "
+                      f"see {a.out / (label + '.log')}", file=sys.stderr)
+                return 1
+            saved.write_text(json.dumps(records[label], indent=1) + "\n")
+            print(f"[demo-time] {label}: {records[label]['wall_s']:.0f} s", flush=True)
+    finally:
+        if worktree.exists():
+            git("worktree", "remove", "--force", str(worktree.resolve()))
+    result = {"order": a.order, "seed": a.seed, "quick": a.quick, "runs": records, **summarize(records, a.reference_wall)}
+    (a.out / "demo_time.json").write_text(json.dumps(result, indent=1) + "\n")
+    line = (f"current {records['current']['wall_s']:.0f} s, ref {records['ref']['wall_s']:.0f} s: "
+            f"ratio {result['ratio']:.3f}")
+    if "estimate_s" in result:
+        line += f"; where ref took {a.reference_wall:.0f} s, the current code would take about {result['estimate_s']:.0f} s"
+    print(line)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
