@@ -55,21 +55,23 @@ def time_demo(checkout: Path, out: Path, label: str, seed: int, quick: bool = Fa
     shutil.rmtree(demo_dir, ignore_errors=True)  # a cached stage would be reused, not timed
     env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}  # the demo picks its threads itself
     env["PYTHONPATH"] = str(checkout)  # this checkout's melt_eval, not the installed one
+    # what ran, read before it runs (an edit during the run is not what was timed)
+    record = {"label": label, "seed": seed, "quick": quick, "commit": git("-C", str(checkout), "rev-parse", "HEAD")}
+    if label == "current":
+        record["uncommitted_changes"] = bool(git("status", "--porcelain", "--untracked-files=no"))
     load_start = os.getloadavg()
     started = time.perf_counter()
     with open(out / f"{label}.log", "w") as log:
         rc = subprocess.run([sys.executable, "-m", "melt_eval.cli", "demo", "--output", str(demo_dir), "--no-progress",
                              "--seed", str(seed), *(["--quick"] if quick else [])], cwd=checkout, env=env, stdout=log, stderr=subprocess.STDOUT).returncode
     wall = time.perf_counter() - started
-    record = {"label": label, "seed": seed, "quick": quick, "commit": git("-C", str(checkout), "rev-parse", "HEAD"), "returncode": rc,
-              "wall_s": round(wall, 1), "load_average": {"start": [round(x, 2) for x in load_start],
-                                                         "end": [round(x, 2) for x in os.getloadavg()]}}
-    if label == "current":
-        record["uncommitted_changes"] = bool(git("status", "--porcelain", "--untracked-files=no"))
+    record.update(returncode=rc, wall_s=round(wall, 1), load_average={"start": [round(x, 2) for x in load_start],
+                                                                     "end": [round(x, 2) for x in os.getloadavg()]})
     demo_json = demo_dir / "demo.json"
     if rc == 0 and demo_json.exists():
         demo = json.loads(demo_json.read_text())
-        record.update({k: demo.get(k) for k in ("stages_s", "teacher_pass@1", "melt_pass@1", "claims_hold", "teacher_stop")})
+        record.update({k: demo.get(k) for k in ("stages_s", "teacher_pass@1", "melt_pass@1", "claims_hold")})
+        record["teacher_stopped_at"] = (demo.get("teacher_stop") or {}).get("stopped_at")  # None: a fixed step count
     return record
 
 
@@ -96,6 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     if a.reference_wall is not None and a.reference_wall <= 0:
         return refuse("--reference-wall is a time in seconds, above 0")
+    a.out = a.out.resolve()  # the demos run from their checkouts: a relative --out would land inside them
     ref = resolve(a.ref)
     if ref is None:
         return refuse(f"{a.ref!r} is not a commit of {REPO}; pass --ref a commit id or tag")
