@@ -1,12 +1,12 @@
 """The demo's wall time against a reference commit's, the two run one after the other on one machine (issue 51,
 item 5: the demo stays within the 15 minutes of the demo that issue timed).
 
-A demo's wall time belongs to the machine as much as to the code: this project's shared 2-core machines have taken
-1.0-1.8x one another's time for the same run. What carries from one machine to another is the ratio of two
-codes timed back to back on one of them. This runs the full `melt-eval demo` (`--no-progress`, its default jobs
-and threads) at the current checkout and at REF, each with this interpreter, REF in a git worktree made for
-the run and removed after, and reports the ratio; with `--reference-wall`, what the ratio makes of the current
-code's time on the machine where REF's demo took that long.
+A demo's wall time belongs to the machine as much as to the code: shared 2-core machines differ from one another,
+and from one hour to the next, by more than a change to the code does. What carries from one machine to another
+is the ratio of two codes timed back to back on one of them. This runs the full `melt-eval demo`
+(`--no-progress`, its default jobs and threads) at the current checkout and at REF, each with this interpreter,
+REF in a git worktree made for the run and removed after, and reports the ratio; with `--reference-wall`, what
+the ratio makes of the current code's time on the machine where REF's demo took that long.
 
     python benchmarks/demo_time.py --out /tmp/demo-time [--ref 7111383] [--seed 0] [--order current-first]
         [--reference-wall 874]
@@ -62,8 +62,9 @@ def time_demo(checkout: Path, out: Path, label: str, seed: int, quick: bool = Fa
     load_start = os.getloadavg()
     started = time.perf_counter()
     with open(out / f"{label}.log", "w") as log:
-        rc = subprocess.run([sys.executable, "-m", "melt_eval.cli", "demo", "--output", str(demo_dir), "--no-progress",
-                             "--seed", str(seed), *(["--quick"] if quick else [])], cwd=checkout, env=env, stdout=log, stderr=subprocess.STDOUT).returncode
+        command = [sys.executable, "-m", "melt_eval.cli", "demo", "--output", str(demo_dir), "--no-progress",
+                   "--seed", str(seed), *(["--quick"] if quick else [])]
+        rc = subprocess.run(command, cwd=checkout, env=env, stdout=log, stderr=subprocess.STDOUT).returncode
     wall = time.perf_counter() - started
     record.update(returncode=rc, wall_s=round(wall, 1), load_average={"start": [round(x, 2) for x in load_start],
                                                                      "end": [round(x, 2) for x in os.getloadavg()]})
@@ -117,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
             checkout = REPO
             if label == "ref":
                 if not worktree.exists():
-                    git("worktree", "add", "--detach", str(worktree.resolve()), ref)
+                    git("worktree", "add", "--detach", str(worktree), ref)
                 checkout = worktree
             print(f"[demo-time] {label} ({'the checkout' if label == 'current' else ref[:12]}): started at load "
                   f"{os.getloadavg()[0]:.2f}", flush=True)
@@ -130,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[demo-time] {label}: {records[label]['wall_s']:.0f} s", flush=True)
     finally:
         if worktree.exists():
-            git("worktree", "remove", "--force", str(worktree.resolve()))
+            git("worktree", "remove", "--force", str(worktree))
     result = {"order": a.order, "seed": a.seed, "quick": a.quick, "runs": records, **summarize(records, a.reference_wall)}
     (a.out / "demo_time.json").write_text(json.dumps(result, indent=1) + "\n")
     line = (f"current {records['current']['wall_s']:.0f} s, ref {records['ref']['wall_s']:.0f} s: "
