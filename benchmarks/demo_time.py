@@ -97,6 +97,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reference-wall", type=float, default=None, metavar="SECONDS",
                     help="REF's demo wall time on another machine, to estimate the current code's there")
     a = ap.parse_args(argv)
+    if a.seed < 0:
+        return refuse("--seed is a seed of the demo's, 0 or above")
     if a.reference_wall is not None and a.reference_wall <= 0:
         return refuse("--reference-wall is a time in seconds, above 0")
     a.out = a.out.resolve()  # the demos run from their checkouts: a relative --out would land inside them

@@ -40,3 +40,4 @@ def test_a_saved_record_of_another_demo_is_refused_not_mixed_into_the_ratio(tmp_
     assert "timed another demo" in capsys.readouterr().err
     assert not (tmp_path / "demo_time.json").exists()
     assert demo_time.main(["--out", str(tmp_path), "--reference-wall", "0"]) == 2
+    assert demo_time.main(["--out", str(tmp_path), "--seed", "-1"]) == 2
