@@ -13,14 +13,16 @@ the ratio makes of the current code's time on the machine where REF's demo took 
 
 7111383 is the code issue 51 timed at 874 s (14 min 34 s). Each run's record is written as it ends
 (OUT/<label>.json); a second call skips a recorded run and starts an unrecorded one afresh (a demo resumed from
-its cache would not be timed). Writes OUT/demo_time.json and prints one summary; exit 1 if a demo failed
-(its output is in OUT/<label>.log), 2 on bad arguments.
+its cache would not be timed). A record is used only if it timed the same demo (seed, --quick) at the same commit
+(HEAD for the current run, REF for the other). Writes OUT/demo_time.json and prints one summary; exit 1 if a demo
+failed (its output is in OUT/<label>.log), 2 on bad arguments or an unusable record, before any demo runs.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -30,6 +32,11 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 LABELS = {"current-first": ("current", "ref"), "ref-first": ("ref", "current")}
+MAX_SEED = 2**32 - 1  # the demo's seeds are numpy's
+
+
+class Refused(Exception):
+    """Bad arguments or a saved record that cannot be used: one line, exit 2."""
 
 
 def git(*args: str) -> str:
@@ -76,6 +83,25 @@ def time_demo(checkout: Path, out: Path, label: str, seed: int, quick: bool = Fa
     return record
 
 
+def load_record(saved: Path, label: str, commit: str, seed: int, quick: bool) -> dict:
+    """A run's saved record, if it timed this demo (seed, --quick) at this commit with a usable time; else Refused
+    (a record of other code or another demo would put another ratio in the summary)."""
+    again = f"delete it to time the {label} run again, or pass another --out"
+    try:
+        record = json.loads(saved.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise Refused(f"{saved} is not a readable record ({type(e).__name__}); {again}") from None
+    wall = record.get("wall_s") if isinstance(record, dict) else None
+    if not isinstance(wall, (int, float)) or isinstance(wall, bool) or not math.isfinite(wall) or wall <= 0:
+        raise Refused(f"{saved} holds no wall time in seconds above 0 (wall_s {wall!r}); {again}")
+    if (record.get("seed"), record.get("quick")) != (seed, quick):
+        raise Refused(f"{saved} timed another demo (seed {record.get('seed')}, quick {record.get('quick')}); "
+                      "pass another --out")
+    if record.get("commit") != commit:
+        raise Refused(f"{saved} timed commit {str(record.get('commit'))[:12]}, not {commit[:12]}; {again}")
+    return record
+
+
 def summarize(records: dict[str, dict], reference_wall: float | None) -> dict:
     """The ratio current / ref of the two wall times and, given REF's time on another machine, the current code's
     estimate there (the ratio times it)."""
@@ -89,7 +115,7 @@ def summarize(records: dict[str, dict], reference_wall: float | None) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", required=True, type=Path, help="a directory for the two demos, their logs and the records")
+    ap.add_argument("--out", required=True, help="a directory for the two demos, their logs and the records")
     ap.add_argument("--ref", default="7111383", help="the commit to time against (default: the code issue 51 timed)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--order", choices=sorted(LABELS), default="current-first")
@@ -97,25 +123,36 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reference-wall", type=float, default=None, metavar="SECONDS",
                     help="REF's demo wall time on another machine, to estimate the current code's there")
     a = ap.parse_args(argv)
-    if a.seed < 0:
-        return refuse("--seed is a seed of the demo's, 0 or above")
-    if a.reference_wall is not None and a.reference_wall <= 0:
-        return refuse("--reference-wall is a time in seconds, above 0")
-    a.out = a.out.resolve()  # the demos run from their checkouts: a relative --out would land inside them
+    try:
+        return run(a)
+    except Refused as e:
+        return refuse(str(e))
+
+
+def run(a: argparse.Namespace) -> int:
+    if not 0 <= a.seed <= MAX_SEED:
+        raise Refused(f"--seed is a seed of the demo's, 0 to {MAX_SEED}")
+    if a.reference_wall is not None and not (math.isfinite(a.reference_wall) and a.reference_wall > 0):
+        raise Refused("--reference-wall is a time in seconds, above 0")
+    if not a.out.strip():  # Path("") is the working directory
+        raise Refused("--out is empty; pass a directory for the demos and their records")
+    a.out = Path(a.out).resolve()  # the demos run from their checkouts: a relative --out would land inside them
     ref = resolve(a.ref)
     if ref is None:
-        return refuse(f"{a.ref!r} is not a commit of {REPO}; pass --ref a commit id or tag")
-    a.out.mkdir(parents=True, exist_ok=True)
-    records: dict[str, dict] = {}
+        raise Refused(f"{a.ref!r} is not a commit of {REPO}; pass --ref a commit id or tag")
+    try:
+        a.out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise Refused(f"cannot make --out {a.out}: {e.strerror or e}; pass a directory you can write") from None
+    commits = {"current": git("rev-parse", "HEAD"), "ref": ref}
+    # every saved record checked before any demo runs: a bad second record would waste the first demo's time
+    records = {label: load_record(a.out / f"{label}.json", label, commits[label], a.seed, a.quick)
+               for label in LABELS[a.order] if (a.out / f"{label}.json").exists()}
     worktree = a.out / f"ref-{ref[:12]}"
     try:
         for label in LABELS[a.order]:
             saved = a.out / f"{label}.json"
-            if saved.exists():
-                records[label] = json.loads(saved.read_text())
-                if (records[label].get("seed"), records[label].get("quick")) != (a.seed, a.quick):
-                    return refuse(f"{saved} timed another demo (seed {records[label].get('seed')}, quick "
-                                  f"{records[label].get('quick')}); pass another --out")
+            if label in records:
                 continue
             checkout = REPO
             if label == "ref":
