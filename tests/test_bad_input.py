@@ -259,3 +259,18 @@ def test_model_dot_runs_under_the_checkpoint_directory_name(tmp_path, monkeypatc
                   "--max-new-tokens", "2", "--no-progress"]) == 0
     assert (out / "my-ckpt" / "synthetic" / "results.json").is_file()
     assert [p.relative_to(out).parts[0] for p in out.rglob("results.json")] == ["my-ckpt"]
+
+
+def test_a_negative_seed_is_refused_before_any_sample_is_generated(tmp_path, capsys):
+    """LightEval refuses a negative seed only when it saves its outputs, after every sample: the harness refuses
+    it first, at the flag and in the Python API's Sampling."""
+    out = tmp_path / "out"
+    assert _main(["run", "synthetic", "--model", "tiny-random-melt", "--seed", "-5", "--output", out, *TINY_RUN]) == 2
+    assert "greater than or equal to 0" in capsys.readouterr().err  # typer's own refusal of the flag
+    assert not out.exists()
+    with pytest.raises(Exception, match=r"--seed must be a whole number, 0 or more, got -1"):
+        Sampling(seed=-1)
+    with pytest.raises(Exception, match=r"0 or more"):
+        run_tasks("synthetic", "tiny-random-melt", InferenceOptions(sampling=Sampling(samples=2, seed=-3)),
+                  RunPaths(results_dir=out), max_problems=1, progress=False)
+    assert not out.exists()

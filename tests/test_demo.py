@@ -163,6 +163,24 @@ def test_results_made_with_other_settings_stop_the_demo_with_a_hint(quick_demo, 
     assert result_file.read_text() == before
 
 
+def test_a_finished_demo_of_another_seed_or_size_is_refused_before_anything_trains(quick_demo, monkeypatch, capsys):
+    """Another seed (or the full demo) into a quick seed-0 demo's directory: its runs would train beside the old ones
+    and clash only at the first evaluation; it is refused in one line first, and the seed past numpy's range too."""
+    import melt_eval.training.runner as runner
+    from helpers import main_exit_code
+
+    monkeypatch.setattr(runner, "train", lambda *a, **k: pytest.fail("nothing may train"))
+    runs_before = sorted(p.name for p in (quick_demo / "runs").iterdir())
+    for args, asked in ((["--quick", "--seed", "1"], "not of seed 1 --quick"), ([], "not of seed 0;")):
+        code = main_exit_code(["demo", *args, "--output", quick_demo, "--no-progress"])
+        err = capsys.readouterr().err.strip()
+        assert code == 2 and len(err.splitlines()) == 1, err
+        assert "holds the demo of seed 0 --quick" in err and asked in err and "another --output" in err, err
+    assert sorted(p.name for p in (quick_demo / "runs").iterdir()) == runs_before
+    assert main_exit_code(["demo", "--quick", "--seed", str(2**32), "--output", quick_demo / "x"]) == 2
+    assert not (quick_demo / "x").exists()
+
+
 def test_beyond_paper_stage_adds_its_rows_to_a_finished_demo_once(quick_demo, monkeypatch):
     """`demo --beyond-paper` on a finished demo: only the stage's rows are evaluated (nothing trained but the fitted
     gates, exit-aware MELT and GQA-MELT, the paper's results untouched), each with its option; the report gains the exit figure and table and the

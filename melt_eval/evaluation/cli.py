@@ -114,7 +114,7 @@ def register(app: typer.Typer) -> None:
         top_p: float = typer.Option(0.7, "--top-p", rich_help_panel=GENERATION, help="Nucleus sampling: top-p."),
         max_new_tokens: Optional[int] = typer.Option(None, "--max-new-tokens", rich_help_panel=GENERATION,
                                                      help="Tokens generated per sample (default: the paper's, per task)."),
-        seed: int = typer.Option(0, "--seed", rich_help_panel=GENERATION,
+        seed: int = typer.Option(0, "--seed", min=0, rich_help_panel=GENERATION,
                                  help="Sampling seed (each problem's seed derives from it)."),
         max_model_len: Optional[int] = typer.Option(
             None, "--max-model-len", rich_help_panel=GENERATION,

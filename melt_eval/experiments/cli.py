@@ -45,7 +45,7 @@ def register(app: typer.Typer) -> None:
                                                 help="Cap every training run's steps (default: the recipes')."),
         data_dir: Optional[Path] = typer.Option(
             None, "--data-dir", help="Read DIR/<task>.jsonl|.parquet instead of the Hub (default: the Hub, or built in)."),
-        seed: int = typer.Option(0, "--seed", help="Evaluation sampling seed."),
+        seed: int = typer.Option(0, "--seed", min=0, help="Evaluation sampling seed."),
         prefill_chunk: Optional[int] = typer.Option(
             None, "--prefill-chunk", min=1, help="Prompt tokens per MELT chunk in every evaluation (default: 1, exact "
             "MELT, one rule for every row). A MELT trained with the prompt as one chunk, as the demo's are, scores far "
@@ -99,7 +99,7 @@ def register(app: typer.Typer) -> None:
                                    help="Smaller everything, for CI (its numbers mean nothing; default: off)."),
         output: Optional[Path] = typer.Option(None, help="Where runs, results and the report go (default demo/ or "
                                               "demo-quick/, with -seedN for another seed)."),
-        seed: int = typer.Option(0, "--seed", min=0, help="Seeds every training run and the sampling; the claims "
+        seed: int = typer.Option(0, "--seed", min=0, max=2**32 - 1, help="Seeds every training run and the sampling; the claims "
                                  "must hold for more than one."),
         jobs: Optional[int] = typer.Option(None, "--jobs", min=1, help="Training runs and evaluations side by side, "
                                            "one torch thread each (default: the CPU cores, at most 4)."),

@@ -127,6 +127,7 @@ def run_demo(output: Path, quick: bool = False, progress: bool = True, seed: int
 
 def _run_demo(output: Path, quick: bool, progress: bool, seed: int, threads: int, jobs: int, compile: bool,
               beyond_paper: bool) -> dict:
+    _check_same_demo(output / "demo.json", seed, quick)
     size = QUICK if quick else FULL
     # compile: an execution field, so the runs keep their ids (and a cached run is reused either way)
     melt_overrides = dict(size.melt or {}, compile=True) if compile else size.melt
@@ -341,6 +342,22 @@ def _echo_beyond(beyond: dict) -> None:
     for name, c in beyond["comparisons"].items():
         _echo(f"  {name}: " + (f"{c:.4f}" if isinstance(c, float) else f"{100 * c['difference']:+.1f} points"
                                + (f" = {c['in_stderr']:+.1f} paired standard errors" if c["in_stderr"] is not None else "")))
+
+
+def _check_same_demo(path: Path, seed: int, quick: bool) -> None:
+    """Refuse (UserError) an output that holds a finished demo of another seed or size, before anything trains:
+    its cached runs and results belong to that demo, and their settings would only clash after the teacher."""
+    try:
+        old = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return  # no finished demo here (or no readable record of one): the cache's own checks apply
+    if isinstance(old, dict) and (old.get("seed"), old.get("quick")) != (seed, quick):
+        raise UserError(f"{path.parent} holds the demo of {_which(old.get('seed'), old.get('quick'))}, not of "
+                        f"{_which(seed, quick)}; pass another --output (or leave it out: each seed has its own default)")
+
+
+def _which(seed, quick) -> str:
+    return f"seed {seed}" + (" --quick" if quick else "")
 
 
 def _previous_runs(path: Path) -> list[dict]:

@@ -40,7 +40,7 @@ _SAMPLING_RULES = {
     "max_new_tokens": _at_least_one,
     "temperature": lambda v: _number(v) and v >= 0,
     "top_p": lambda v: _number(v) and 0 < v <= 1,
-    "seed": _whole,
+    "seed": lambda v: _whole(v) and v >= 0,  # LightEval's GenerationParameters takes no negative seed
 }
 _SAMPLING_ERRORS = {
     "flags": {
@@ -48,7 +48,7 @@ _SAMPLING_ERRORS = {
         "max_new_tokens": "--max-new-tokens must be at least 1, got {!r}",
         "temperature": "--temperature must be a finite number, 0 (greedy) or more, got {}",
         "top_p": "--top-p must be in (0, 1], got {}",
-        "seed": "--seed must be a whole number, got {!r}",
+        "seed": "--seed must be a whole number, 0 or more, got {!r}",
     },
     "arguments": {
         "max_new_tokens": "max_new_tokens must be a whole number >= 1, got {!r}",
