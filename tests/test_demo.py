@@ -89,18 +89,23 @@ def test_quick_demo_writes_every_table_and_figure(quick_demo):
     assert "on ouro-tiny" in kv and "| ouro-tiny | Ouro-1.4B-Thinking |" in kv
 
 
-def test_claims_across_runs_read_a_real_demo_directory(quick_demo):
-    """`melt-eval claims` on a demo's output: labelled by its seed, the same verdicts as its claims.json."""
-    res = CliRunner().invoke(app, ["claims", str(quick_demo), str(quick_demo / "results"), "--format", "json"])
+def test_claims_across_runs_read_a_real_demo_directory(quick_demo, capsys):
+    """`melt-eval claims` on a demo's output: labelled by its seed, the same verdicts as its claims.json; the demo
+    and its results/ are one run, refused when given as two."""
+    res = CliRunner().invoke(app, ["claims", str(quick_demo), "--format", "json"])
     assert res.exit_code == 0, res.output + repr(res.exception)
     got = json.loads(res.output)
-    assert [r["label"] for r in got["runs"]] == [quick_demo.name, "results"]  # the same seed twice: by directory
+    assert [r["label"] for r in got["runs"]] == ["seed 0 (--quick)"]
     saved = json.loads((quick_demo / "report" / "claims.json").read_text())
     for claim, own in zip(got["claims"], saved):
         assert claim["claim"] == own["claim"]
-        assert [r["holds"] for r in claim["runs"]] == [own["holds"]] * 2 and claim["runs"][0]["brief"] == own["brief"]
+        assert [r["holds"] for r in claim["runs"]] == [own["holds"]] and claim["runs"][0]["brief"] == own["brief"]
     one = CliRunner().invoke(app, ["claims", str(quick_demo), "--format", "markdown"])
     assert "| Claim | seed 0 (--quick) | Holds in | The paper |" in one.output
+    from helpers import main_exit_code
+
+    assert main_exit_code(["claims", str(quick_demo), str(quick_demo / "results")]) == 2
+    assert "are the same run" in capsys.readouterr().err
 
 
 def test_every_variant_has_finished_results(quick_demo):

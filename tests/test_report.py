@@ -231,13 +231,14 @@ def test_report_cli_writes_figures_to_plots_by_default(tmp_path, monkeypatch):
         assert (tmp_path / "plots" / name).stat().st_size > 1000
 
 
-def assert_one_line_error(capsys, args: list[str]) -> None:
-    """`melt-eval ARGS` as a user runs it: exit code 2 and one line on stderr saying what to do."""
+def assert_one_line_error(capsys, args: list[str]) -> str:
+    """`melt-eval ARGS` as a user runs it: exit code 2 and one line on stderr saying what to do; that line."""
     from helpers import main_exit_code
 
     code = main_exit_code(args)
     err = capsys.readouterr().err
     assert code == 2 and err.startswith("error: ") and err.count("\n") == 1, err
+    return err
 
 
 def test_report_cli_bad_paths_are_one_line_errors(tmp_path, capsys):
@@ -508,6 +509,38 @@ def test_claims_across_runs_read_a_saved_claims_json_as_its_results_gave_it(tmp_
                  "not json"):
         other.write_text(text)
         assert_one_line_error(capsys, ["claims", str(other)])
+
+
+def test_claims_refuse_a_run_given_twice_quick_beside_full_damaged_results_and_impossible_scores(tmp_path, capsys):
+    """What would change "holds in" without a word: a run counted twice (however its path is spelled), a --quick
+    demo's meaningless numbers beside full runs, a claim read as "not run" where its results are damaged, and a
+    saved gate score outside 0-1 (NaN among them)."""
+    from melt_eval.files import write_json_atomic
+    from melt_eval.report.claims import paper_claims
+
+    for seed, quick in ((0, False), (1, False), (2, True)):
+        _demo_like_results(tmp_path / f"demo-{seed}" / "results")
+        (tmp_path / f"demo-{seed}" / "demo.json").write_text(json.dumps({"seed": seed, "quick": quick}))
+    saved = tmp_path / "demo-0" / "report" / "claims.json"
+    saved.parent.mkdir()
+    write_json_atomic(saved, [c.to_json() for c in paper_claims(load_results(tmp_path / "demo-0" / "results"))])
+    d0, d1, d2 = (str(tmp_path / f"demo-{s}") for s in range(3))
+    for twice in ([d0, d0 + "/"], [d0, str(saved)], [str(saved), str(saved)], [d0, d1, str(tmp_path / "demo-1" / ".")], [d0 + "/results", d0]):
+        assert "are the same run" in assert_one_line_error(capsys, ["claims", *twice])
+    assert "is a --quick demo, beside full ones" in assert_one_line_error(capsys, ["claims", d0, d2])
+    assert runner.invoke(app, ["claims", d0, d1]).exit_code == 0
+
+    damaged = tmp_path / "demo-1" / "results" / "ablations" / "gates" / "mean" / "synthetic" / "results.json"
+    damaged.write_text("{bad")
+    err = assert_one_line_error(capsys, ["claims", d0, d1])
+    assert str(damaged) in err and "not decided from damaged results" in err
+
+    claims = json.loads(saved.read_text())
+    gate = next(i for i, c in enumerate(claims) if c["values"].get("pass@1", {}).get("elementwise") is not None)
+    for bad in (57.0, -0.1, float("nan"), float("inf")):
+        scores = dict(claims[gate]["values"]["pass@1"], scalar=bad)
+        saved.write_text(json.dumps([*claims[:gate], dict(claims[gate], values={"pass@1": scores}), *claims[gate + 1:]]))
+        assert "does not hold this version's" in assert_one_line_error(capsys, ["claims", str(saved)])
 
 
 def test_mistakes_table_counts_where_each_wrong_reply_first_goes_wrong(tmp_path):

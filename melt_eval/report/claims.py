@@ -497,12 +497,17 @@ def results_root(directory: Path) -> Path:
     return directory / "results" if (directory / "results").is_dir() else directory
 
 
-def _demo_label(directory: Path) -> str | None:
+def _demo_record(directory: Path) -> dict | None:
+    """The demo.json of a demo's output directory (None where there is none, or none readable)."""
     try:
         demo = json.loads(read_text(directory / "demo.json", "a demo.json"))
     except (OSError, ValueError, UserError):
         return None
-    if not isinstance(demo, dict) or demo.get("seed") is None:
+    return demo if isinstance(demo, dict) and demo.get("seed") is not None else None
+
+
+def _demo_label(demo: dict | None) -> str | None:
+    if demo is None:
         return None
     return f"seed {demo['seed']}" + (" (--quick)" if demo.get("quick") else "")
 
@@ -529,7 +534,7 @@ def read_saved_claims(path: Path) -> list[Claim]:
         verdicts = all(c[k] is None or isinstance(c[k], bool) for k in ("holds", "close_call", "paper_holds"))
         scores = c["values"].get("pass@1", {}) if c["claim"] == GATE_CLAIM else {}  # the gate pairs' arithmetic
         numbers = isinstance(scores, dict) and all(isinstance(v, (int, float)) and not isinstance(v, bool)
-                                                   for v in scores.values())
+                                                   and 0 <= v <= 1 for v in scores.values())  # pass@1: NaN fails too
         return texts and verdicts and numbers
 
     if (not isinstance(data, list) or not all(well_formed(c) for c in data)
@@ -542,16 +547,40 @@ def read_saved_claims(path: Path) -> list[Claim]:
 def claims_of_runs(paths: list[Path]) -> list[RunClaims]:
     """Each run's claims, computed from its results, or read as saved where the path is a claims.json file;
     labelled by the demo's seed where the run is a demo's; directory names where the seeds would not tell runs
-    apart."""
+    apart. Refused (UserError): a run given twice (it would count twice in "holds in"), --quick demos beside
+    full ones (a quick demo's numbers mean nothing), and results that cannot be read (a claim would read as
+    not run where its results are damaged)."""
     directories = [_run_directory(p) for p in paths]
-    labels = [_demo_label(d) for d in directories]
+    seen: dict[Path, Path] = {}
+    for p, d in zip(paths, directories):
+        key = results_root(d).resolve()  # a demo's directory, its results/ and its report/claims.json: one run
+        if key in seen:
+            raise UserError(f"{seen[key]} and {p} are the same run ({d}); pass each run once")
+        seen[key] = p
+    demos = [_demo_record(d) for d in directories]
+    sizes = {bool(demo.get("quick")) for demo in demos if demo is not None}
+    if len(sizes) > 1:
+        quick = next(d for d, demo in zip(directories, demos) if demo is not None and demo.get("quick"))
+        raise UserError(f"{quick} is a --quick demo, beside full ones: its numbers mean nothing next to theirs; "
+                        "pass runs of one size")
+    labels = [_demo_label(demo) for demo in demos]
     if None in labels or len(set(labels)) < len(labels):
         labels = [d.name or str(d) for d in directories]
         if len(set(labels)) < len(labels):
             labels = [str(p) for p in paths]
     return [RunClaims(label, d, read_saved_claims(p), saved=True) if p.is_file()
-            else RunClaims(label, d, paper_claims(load_results(results_root(d))))
+            else RunClaims(label, d, paper_claims(_readable_results(results_root(d))))
             for label, d, p in zip(labels, directories, paths)]
+
+
+def _readable_results(root: Path) -> ResultSet:
+    rs = load_results(root)
+    if rs.unreadable:
+        more = f" (and {len(rs.unreadable) - 1} more)" if len(rs.unreadable) > 1 else ""
+        first = rs.unreadable[0].removesuffix("; skipped")
+        raise UserError(f"{first}{more}: the claims are not decided from damaged results; "
+                        "mend or move the file aside, or run its evaluation again")
+    return rs
 
 
 @dataclass
