@@ -100,8 +100,10 @@ def check_output_path(path: str | Path, flag: str, *, directory: bool) -> None:
 
 def write_failed(exc: OSError, path: str | Path, kept: str = "") -> UserError:
     """The one line for a write the disk refused (full, read-only, quota): what failed and what was kept."""
-    why = "the disk is full" if exc.errno in (errno.ENOSPC, errno.EDQUOT) else (exc.strerror or type(exc).__name__)
-    return UserError(f"cannot write {path}: {why}" + (f"; {kept}" if kept else "") + "; free space and re-run")
+    full = exc.errno in (errno.ENOSPC, errno.EDQUOT)
+    why = "the disk is full" if full else (exc.strerror or type(exc).__name__)
+    fix = "free space and re-run" if full else "pass a path you can write and re-run"  # read-only, no such folder, ...
+    return UserError(f"cannot write {path}: {why}" + (f"; {kept}" if kept else "") + f"; {fix}")
 
 
 def fsync_dir(path: Path) -> None:

@@ -274,3 +274,15 @@ def test_a_negative_seed_is_refused_before_any_sample_is_generated(tmp_path, cap
         run_tasks("synthetic", "tiny-random-melt", InferenceOptions(sampling=Sampling(samples=2, seed=-3)),
                   RunPaths(results_dir=out), max_problems=1, progress=False)
     assert not out.exists()
+
+
+@pytest.mark.parametrize("command", [["demo", "--quick"], ["ablate", "gates", "--preset", "tiny"]])
+def test_more_jobs_than_cores_are_refused_before_anything_runs(tmp_path, capsys, command):
+    """Each job is a one-thread process with its own torch: a typo's thousand would exhaust the memory."""
+    from melt_eval.experiments.ablations import usable_cores
+
+    out = tmp_path / "out"
+    too_many = usable_cores() + 1
+    code = _main([*command, "--jobs", str(too_many), "--output", out, "--no-progress"])
+    _one_line_error(capsys, code, f"--jobs {too_many} is more than the {usable_cores()} core")
+    assert not out.exists() and not (tmp_path / "runs").exists()

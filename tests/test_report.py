@@ -248,6 +248,19 @@ def test_report_cli_bad_paths_are_one_line_errors(tmp_path, capsys):
     assert not (tmp_path / "report").exists()
 
 
+def test_report_on_a_demo_directory_reads_its_results_and_an_unwritable_output_says_so(tmp_path, capsys):
+    """`report --results DEMO` reads DEMO/results (a demo's directory holds no results.json of its own); an --output
+    that cannot be made is refused with advice that fits (not "free space")."""
+    _demo_like_results(tmp_path / "demo" / "results")
+    (tmp_path / "demo" / "demo.json").write_text(json.dumps({"seed": 0, "quick": False}))
+    res = runner.invoke(app, ["report", "--results", str(tmp_path / "demo"), "--output", str(tmp_path / "out"), "--no-plots"])
+    assert res.exit_code == 0, res.output
+    assert "paper's own tables" not in res.output and "melt-tiny" in (tmp_path / "out" / "report.md").read_text()
+    # /proc takes no new folders, even from root
+    err = assert_one_line_error(capsys, ["report", "--results", str(tmp_path / "demo"), "--output", "/proc/melt-eval/r", "--no-plots"])
+    assert "cannot write" in err and "pass a path you can write" in err and "free space" not in err
+
+
 def test_report_cli_without_results_renders_the_paper(tmp_path):
     (tmp_path / "none").mkdir()
     res = runner.invoke(app, ["report", "--results", str(tmp_path / "none"), "--output", str(tmp_path / "out"), "--no-plots"])

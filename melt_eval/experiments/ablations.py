@@ -218,6 +218,22 @@ def train_run(run: TrainRun, runs_dir: Path, progress: bool = True) -> Path:
     return out
 
 
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity, where the platform says)."""
+    import os
+
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def check_jobs(jobs: int | None) -> None:
+    """Refuse (UserError) more side-by-side jobs than cores: each is a one-thread process loading its own torch, so
+    more of them only share the cores, and a typo's hundreds would exhaust the memory."""
+    cores = usable_cores()
+    if jobs is not None and jobs > cores:
+        raise UserError(f"--jobs {jobs} is more than the {cores} core{'s' if cores > 1 else ''} this process may use "
+                        f"(each job is a one-thread process); pass --jobs {cores} or fewer")
+
+
 def train_runs(runs: list[TrainRun], runs_dir: Path, jobs: int = 1, progress: bool = True) -> None:
     """Train every run not finished yet, `jobs` at a time, a run after the one it continues from.
 

@@ -64,6 +64,7 @@ def register(app: typer.Typer) -> None:
         from melt_eval.experiments import ablations
         from melt_eval.protocol.tasks import expand
 
+        ablations.check_jobs(jobs)
         variants = ablations.plan(ablation, preset, base, {"max_steps": max_steps} if max_steps else None)
         tasks = tasks or ablations.PRESETS[preset]["tasks"]
         expand(tasks)  # unknown tasks fail before anything runs

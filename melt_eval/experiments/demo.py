@@ -89,10 +89,7 @@ def default_output(quick: bool, seed: int) -> Path:
 def default_jobs() -> int:
     """Side-by-side training runs: one per core this process may use, at most 4 (the demo trains 8 phase-1
     runs that do not depend on each other)."""
-    import os
-
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1, min(cores, 4))
+    return max(1, min(ablations.usable_cores(), 4))
 
 
 def beyond_paper_plans(teacher_made_by: TrainRun, made_by: dict[str, TrainRun], runs: Path,
@@ -118,6 +115,7 @@ def run_demo(output: Path, quick: bool = False, progress: bool = True, seed: int
              compile: bool = False, beyond_paper: bool = False) -> dict:
     import torch
 
+    ablations.check_jobs(jobs)
     threads = torch.get_num_threads()
     try:
         return _run_demo(output, quick, progress, seed, threads, jobs or default_jobs(), compile, beyond_paper)

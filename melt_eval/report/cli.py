@@ -36,7 +36,7 @@ def register(app: typer.Typer, *, load_measure_kv: Callable[[], Callable] | None
         latex: bool = typer.Option(False, "--latex", help="Write report.tex (booktabs, compiles standalone; "
                                    "default: with neither --latex nor --markdown, both are written)."),
         markdown: bool = typer.Option(False, "--markdown", help="Write report.md (default: see --latex)."),
-        results: Optional[Path] = typer.Option(None, "--results", help="Results root written by run/ablate (default results/)."),
+        results: Optional[Path] = typer.Option(None, "--results", help="Results root written by run/ablate, or a demo's output directory (default results/)."),
         paper: bool = typer.Option(False, "--paper",
                                    help="Print the paper's figure and the difference beside each value (default: off)."),
         output: Optional[Path] = typer.Option(None, "--output", help="Where report.md/.tex go (default RESULTS/report)."),
@@ -52,6 +52,8 @@ def register(app: typer.Typer, *, load_measure_kv: Callable[[], Callable] | None
             raise UserError(f"--results {results} is not a directory; pass the folder run/ablate wrote (default results/)")
         results = results or Path("results")
         from melt_eval.files import check_output_path, write_failed
+        if (results / "demo.json").is_file() and (results / "results").is_dir():
+            results = results / "results"  # a demo's directory: its results/ (as `claims` reads it)
 
         for flag, path in (("--output", output), ("--plots-dir", plots_dir)):
             if path is not None:  # a file, or a path through one (afile.txt/sub): refused before anything is written
