@@ -349,8 +349,11 @@ def _check_same_demo(path: Path, seed: int, quick: bool) -> None:
         old = json.loads(path.read_text())
     except (OSError, ValueError):
         return  # no finished demo here (or no readable record of one): the cache's own checks apply
-    if isinstance(old, dict) and (old.get("seed"), old.get("quick")) != (seed, quick):
-        raise UserError(f"{path.parent} holds the demo of {_which(old.get('seed'), old.get('quick'))}, not of "
+    if not isinstance(old, dict):
+        return
+    was = (old.get("seed", 0), bool(old.get("quick")))  # a demo from before --seed was seed 0
+    if was != (seed, quick):
+        raise UserError(f"{path.parent} holds the demo of {_which(*was)}, not of "
                         f"{_which(seed, quick)}; pass another --output (or leave it out: each seed has its own default)")
 
 
