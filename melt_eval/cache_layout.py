@@ -235,6 +235,9 @@ def cache_layout(model_type: str | None, *, loops: int, layers: int, kv_heads: i
     if model_type == "melt":
         if kv_sharing is not None:
             raise LayoutError(MELT_ALWAYS_SHARES)
+        if share_prompt:  # it would change nothing, but be recorded as if it had
+            raise LayoutError("--share-prompt goes with Ouro's --kv-sharing; MELT shares every entry across its loops, "
+                              "the prompt's too: drop --share-prompt")
         return CacheLayout("shared", loops, layers, kv_heads, head_dim, gate=gate or "elementwise")
     if kv_sharing is None:
         if share_prompt:
@@ -252,7 +255,7 @@ def compressed_layout(layout: CacheLayout, kv_cache_dtype: str = "auto", cross_l
     if cross_loop:
         if layout.kind != "per_loop" or layout.loops < 2:
             raise LayoutError("--cross-loop-kv compresses Ouro's per-loop cache (loops >= 2, no --kv-sharing); "
-                              f"this run's cache is {layout.kind} with {layout.loops} loop(s)")
+                              f"this run's cache holds {layout.describe()}")
         if quant.quantized:
             raise LayoutError("--cross-loop-kv keeps loop 1 in the model's dtype; leave --kv-cache-dtype auto")
         KVQuant("int4").check_head_dim(layout.head_dim)

@@ -96,13 +96,17 @@ def test_a_directory_where_a_file_is_expected_and_back(tmp_path, capsys, args, m
         (["--set", "teacher=5"], "teacher expects a string"),
         (["--config", "{yaml_float}"], "warmup_steps expects a whole number, got 1.5"),
         (["--config", "{yaml_latin1}"], "not UTF-8"),
+        (["--config", "{yaml_twice}"], "the key 'max_steps' is given twice at line 2"),
+        (["--set", "data=[{{source: synthetic, n: 4, n: 8}}]"], "the key 'n' is given twice"),
         (["--set", "ema_decay=2"], "ema_decay must be within [0, 1]"),
     ],
 )
 def test_wrongly_typed_recipe_values(tmp_path, capsys, extra, message):
     (tmp_path / "float.yaml").write_text("warmup_steps: 1.5\n")
     (tmp_path / "latin1.yaml").write_bytes("gate: \"\xe9l\xe9mentwise\"\n".encode("latin-1"))
-    extra = [e.format(yaml_float=tmp_path / "float.yaml", yaml_latin1=tmp_path / "latin1.yaml") for e in extra]
+    (tmp_path / "twice.yaml").write_text("max_steps: 3\nmax_steps: 2\n")  # YAML itself would keep the last silently
+    extra = [e.format(yaml_float=tmp_path / "float.yaml", yaml_latin1=tmp_path / "latin1.yaml",
+                      yaml_twice=tmp_path / "twice.yaml") for e in extra]
     out = tmp_path / "train"
     code = _main(["train", "--recipe", "tiny-phase1", "--from", "tiny-random-ouro", "--output", out, "--no-progress", *extra])
     _one_line_error(capsys, code, message)
@@ -119,10 +123,16 @@ def test_wrongly_typed_recipe_values(tmp_path, capsys, extra, message):
         (["run", "synthetic", "--model", "tiny-random-melt", "--name", "../../x"], "--name '../../x' must be a plain"),
         (["run", "synthetic", "--model", "tiny-random-melt", "--name", "a/b"], "must be a plain directory name"),
         (["run", "synthetic", "--model", "tiny-random-melt", "--name", ".."], "must be a plain directory name"),
+        (["run", "synthetic", "--model", "tiny-random-melt", "--name", "a\nb"], "must be printable and at most 255"),
+        (["run", "synthetic", "--model", "tiny-random-melt", "--share-prompt"], "MELT shares every entry across its loops"),
+        (["run", "synthetic", "--model", "{tmp}/weights.safetensors"], "is a file, not a checkpoint directory"),
+        (["run", "synthetic", "--model", "tiny-random-melt", "--max-concurrency", "0"], "--max-concurrency goes with --backend endpoint"),
+        (["run", "synthetic", "--model", "tiny-random-melt", "--name", "a" * 300], "must be printable and at most 255"),
         (["report", "--results", "{tmp}", "--output", "{tmp}/r", "--plot-task", "nosuch"], "--plot-task 'nosuch' is not a task"),
     ],
 )
 def test_bad_options(tmp_path, capsys, args, message):
+    (tmp_path / "weights.safetensors").write_bytes(b"")
     args = [a.format(tmp=tmp_path) for a in args]
     if args[0] == "run":
         args += ["--output", tmp_path / "out", *TINY_RUN]
@@ -261,16 +271,18 @@ def test_model_dot_runs_under_the_checkpoint_directory_name(tmp_path, monkeypatc
     assert [p.relative_to(out).parts[0] for p in out.rglob("results.json")] == ["my-ckpt"]
 
 
-def test_a_negative_seed_is_refused_before_any_sample_is_generated(tmp_path, capsys):
+def test_a_seed_out_of_range_is_refused_before_any_sample_is_generated(tmp_path, capsys):
     """LightEval refuses a negative seed only when it saves its outputs, after every sample: the harness refuses
     it first, at the flag and in the Python API's Sampling."""
     out = tmp_path / "out"
     assert _main(["run", "synthetic", "--model", "tiny-random-melt", "--seed", "-5", "--output", out, *TINY_RUN]) == 2
     assert "greater than or equal to 0" in capsys.readouterr().err  # typer's own refusal of the flag
     assert not out.exists()
-    with pytest.raises(Exception, match=r"--seed must be a whole number, 0 or more, got -1"):
-        Sampling(seed=-1)
-    with pytest.raises(Exception, match=r"0 or more"):
+    for seed in (-1, 2**62, 2**70):  # past 2**62 a seed would draw another seed's samples (problem_seed)
+        with pytest.raises(Exception, match=rf"--seed must be a whole number from 0 to 2\*\*62 - 1, got {seed}"):
+            Sampling(seed=seed)
+    Sampling(seed=2**62 - 1)
+    with pytest.raises(Exception, match=r"from 0 to"):
         run_tasks("synthetic", "tiny-random-melt", InferenceOptions(sampling=Sampling(samples=2, seed=-3)),
                   RunPaths(results_dir=out), max_problems=1, progress=False)
     assert not out.exists()
@@ -286,3 +298,14 @@ def test_more_jobs_than_cores_are_refused_before_anything_runs(tmp_path, capsys,
     code = _main([*command, "--jobs", str(too_many), "--output", out, "--no-progress"])
     _one_line_error(capsys, code, f"--jobs {too_many} is more than the {usable_cores()} core")
     assert not out.exists() and not (tmp_path / "runs").exists()
+
+
+@pytest.mark.parametrize("flag", ["--max-steps", "--samples", "--max-problems", "--max-new-tokens"])
+def test_ablate_refuses_a_zero_it_would_have_read_as_not_given(tmp_path, capsys, flag):
+    """`ablate --max-steps 0` planned the uncapped recipe (0 read as "not given"): refused, as `run` refuses it."""
+    code = _main(["ablate", "gates", "--preset", "tiny", "--dry-run", flag, "0", "--runs", tmp_path / "runs",
+                  "--output", tmp_path / "out"])
+    err = capsys.readouterr().err
+    err = " ".join(err.replace("│", " ").split())  # typer's own refusal, in a box that may wrap its line
+    assert code == 2 and flag in err and "greater than or equal to 1" in err, err
+    assert not (tmp_path / "runs").exists() and not (tmp_path / "out").exists()

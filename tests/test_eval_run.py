@@ -287,7 +287,8 @@ def test_run_killed_with_sigkill_resumes_to_the_same_numbers(tmp_path, monkeypat
         (["run", "synthetic", "--model", "tiny-random-llama", "--loops", "2"], "--loops applies to looped models"),
         (["run", "synthetic", "--model", "tiny-random-melt", "--top-p", "0"], "--top-p must be in (0, 1]"),
         # --backend tpu, --kv-sharing middle: click's error naming the choices (tests/test_cli_flags.py)
-        (["run", "synthetic", "--model", "tiny-random-melt", "--prefill-chunk", "0"], "--prefill-chunk must be at least 1"),
+        (["run", "synthetic", "--model", "tiny-random-melt", "--prefill-chunk", "0"], "--prefill-chunk must be a whole number from 1"),
+        (["run", "synthetic", "--model", "tiny-random-melt", "--prefill-chunk", str(2**31)], "from 1 to 2147483647"),
         (["run", "synthetic", "--model", "tiny-random-melt", "--loops", "0"], "--loops must be at least 1"),
         (["run", "synthetic", "--model", "tiny-random-melt", "--samples", "0"], "--samples must be at least 1"),
         (["score", "synthetic", "--completions", "{tmp}/none.jsonl"], "does not exist"),

@@ -142,9 +142,13 @@ def test_measure_vllm_unavailable_is_one_clear_error(monkeypatch, capsys):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["memory", "--models", "nosuch"], "unknown model"),
+    (["memory", "--models", "nosuch"], "--models takes the registry's names, not 'nosuch'"),
+    (["memory", "--models", "./runs/melt"], "--models takes the registry's names"),  # no "pass a checkpoint" hint
+    (["memory", "--models", ""], "--models names no model"),
+    (["memory", "--models", " , "], "--models names no model"),
     (["memory", "--context", "abc"], "--context takes integers"),
-    (["memory", "--context", "0"], "positive token counts"),
+    (["memory", "--context", "0"], "token counts from 1 to 2,147,483,647"),
+    (["memory", "--context", str(10**23)], "token counts from 1 to 2,147,483,647"),
     # --format xml, --measure guess: click's error naming the choices, exit 2 (tests/test_cli_flags.py)
 ])
 def test_bad_input_is_one_line_and_exit_2(args, message, capsys):

@@ -67,8 +67,9 @@ def register(app: typer.Typer) -> None:
             None, "--api-key", rich_help_panel=MODEL, show_default=False,
             help="--backend endpoint: API key sent as 'Authorization: Bearer KEY' (default: the OPENAI_API_KEY "
                  "environment variable; none when that is unset)."),
-        max_concurrency: int = typer.Option(64, "--max-concurrency", rich_help_panel=MODEL,
-                                            help="--backend endpoint: requests in flight (one per problem)."),
+        max_concurrency: Optional[int] = typer.Option(None, "--max-concurrency", rich_help_panel=MODEL,
+                                                      help="--backend endpoint: requests in flight (one per problem; "
+                                                           "default 64)."),
         dtype: Optional[Dtype] = typer.Option(None, "--dtype",
                                             rich_help_panel=MODEL, help="--backend vllm: weights' dtype (default auto)."),
         tensor_parallel_size: Optional[int] = typer.Option(
@@ -114,7 +115,7 @@ def register(app: typer.Typer) -> None:
         top_p: float = typer.Option(0.7, "--top-p", rich_help_panel=GENERATION, help="Nucleus sampling: top-p."),
         max_new_tokens: Optional[int] = typer.Option(None, "--max-new-tokens", rich_help_panel=GENERATION,
                                                      help="Tokens generated per sample (default: the paper's, per task)."),
-        seed: int = typer.Option(0, "--seed", min=0, rich_help_panel=GENERATION,
+        seed: int = typer.Option(0, "--seed", min=0, max=2**62 - 1, rich_help_panel=GENERATION,
                                  help="Sampling seed (each problem's seed derives from it)."),
         max_model_len: Optional[int] = typer.Option(
             None, "--max-model-len", rich_help_panel=GENERATION,
@@ -165,8 +166,9 @@ def register(app: typer.Typer) -> None:
         from melt_eval.evaluation import BackendSettings, RunPaths, run_tasks
         from melt_eval.generation.options import InferenceOptions, Sampling
 
-        if api_key is not None and backend != "endpoint":
-            raise UserError("--api-key goes with --backend endpoint; drop it here")
+        for flag, value in (("--api-key", api_key), ("--max-concurrency", max_concurrency)):
+            if value is not None and backend != "endpoint":
+                raise UserError(f"{flag} goes with --backend endpoint; drop it here")
 
         options = InferenceOptions(
             loops=loops, kv_sharing=kv_sharing, share_prompt=share_prompt, prefill_chunk=prefill_chunk, exit=exit,
@@ -177,8 +179,8 @@ def register(app: typer.Typer) -> None:
         paths = RunPaths(output=output, name=name, data_dir=data_dir)
         settings = BackendSettings(
             kind=backend, max_cache_bytes=max_cache_bytes, api_key=api_key,
-            allow_beyond_max_positions=allow_beyond_max_positions, base_url=base_url, max_concurrency=max_concurrency,
-            verify=verify,
+            allow_beyond_max_positions=allow_beyond_max_positions, base_url=base_url,
+            verify=verify, **({} if max_concurrency is None else {"max_concurrency": max_concurrency}),
             engine=dict(dtype=dtype, max_model_len=max_model_len, gpu_memory_utilization=gpu_memory_utilization,
                         kv_cache_bytes=kv_cache_bytes, tensor_parallel_size=tensor_parallel_size),
         )

@@ -295,6 +295,9 @@ def _check_paths(paths: RunPaths) -> None:
         if not name.strip() or name.strip() in (".", "..") or any(sep in name for sep in ("/", "\\", "\0")):
             raise UserError(f"--name {name!r} must be a plain directory name (no '/', '..' or '.'), "
                             "so that the results stay under --output")
+        if not name.isprintable() or len(name.encode()) > 255:  # a newline splits the table's row; 255: a file name
+            raise UserError(f"--name {name[:40]!r}{'...' if len(name) > 40 else ''} must be printable and at most 255 "
+                            "bytes (one directory name); pass a shorter, plain one")
     for flag, root in (("--output", output), ("results_dir", results_dir)):
         if root is None:
             continue

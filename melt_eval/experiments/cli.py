@@ -35,17 +35,17 @@ def register(app: typer.Typer) -> None:
         output: Path = typer.Option(Path("results"), "--output", "--output-dir",
                                     help="Results root (ablations/<ablation>/<variant>/). --output-dir is the same option."),
         runs: Path = typer.Option(Path("runs/ablations"), "--runs", help="Where training runs go."),
-        samples: Optional[int] = typer.Option(None, "--samples", help="Samples per problem (default: the paper's)."),
+        samples: Optional[int] = typer.Option(None, "--samples", min=1, help="Samples per problem (default: the paper's)."),
         max_problems: Optional[int] = typer.Option(
-            None, "--max-problems", "--limit", "--max-samples",
+            None, "--max-problems", "--limit", "--max-samples", min=1,
             help="First N problems of each task (default: all). --limit and --max-samples are the same option."),
-        max_new_tokens: Optional[int] = typer.Option(None, "--max-new-tokens",
+        max_new_tokens: Optional[int] = typer.Option(None, "--max-new-tokens", min=1,
                                                      help="Tokens generated per sample (default: the paper's, per task)."),
-        max_steps: Optional[int] = typer.Option(None, "--max-steps",
+        max_steps: Optional[int] = typer.Option(None, "--max-steps", min=1,
                                                 help="Cap every training run's steps (default: the recipes')."),
         data_dir: Optional[Path] = typer.Option(
             None, "--data-dir", help="Read DIR/<task>.jsonl|.parquet instead of the Hub (default: the Hub, or built in)."),
-        seed: int = typer.Option(0, "--seed", min=0, help="Evaluation sampling seed."),
+        seed: int = typer.Option(0, "--seed", min=0, max=2**62 - 1, help="Evaluation sampling seed."),
         prefill_chunk: Optional[int] = typer.Option(
             None, "--prefill-chunk", min=1, help="Prompt tokens per MELT chunk in every evaluation (default: 1, exact "
             "MELT, one rule for every row). A MELT trained with the prompt as one chunk, as the demo's are, scores far "

@@ -40,7 +40,9 @@ _SAMPLING_RULES = {
     "max_new_tokens": _at_least_one,
     "temperature": lambda v: _number(v) and v >= 0,
     "top_p": lambda v: _number(v) and 0 < v <= 1,
-    "seed": lambda v: _whole(v) and v >= 0,  # LightEval's GenerationParameters takes no negative seed
+    # LightEval takes no negative seed, and a problem's seed is the run's modulo 2**62 (`problem_seed`): above it,
+    # two seeds would draw the same samples
+    "seed": lambda v: _whole(v) and 0 <= v < 2**62,
 }
 _SAMPLING_ERRORS = {
     "flags": {
@@ -48,7 +50,7 @@ _SAMPLING_ERRORS = {
         "max_new_tokens": "--max-new-tokens must be at least 1, got {!r}",
         "temperature": "--temperature must be a finite number, 0 (greedy) or more, got {}",
         "top_p": "--top-p must be in (0, 1], got {}",
-        "seed": "--seed must be a whole number, 0 or more, got {!r}",
+        "seed": "--seed must be a whole number from 0 to 2**62 - 1, got {!r}",
     },
     "arguments": {
         "max_new_tokens": "max_new_tokens must be a whole number >= 1, got {!r}",
@@ -114,8 +116,9 @@ class InferenceOptions:
             raise UserError(f"--cross-loop-kv is a flag, got {self.cross_loop_kv!r}")
         if not isinstance(self.cuda_graphs, bool):
             raise UserError(f"--cuda-graphs/--no-cuda-graphs is a flag, got {self.cuda_graphs!r}")
-        if self.prefill_chunk is not None and (not _whole(self.prefill_chunk) or self.prefill_chunk < 1):
-            raise UserError(f"--prefill-chunk must be at least 1, got {self.prefill_chunk!r}")
+        if self.prefill_chunk is not None and not (_whole(self.prefill_chunk) and 1 <= self.prefill_chunk <= MAX_RECORDED):
+            raise UserError(f"--prefill-chunk must be a whole number from 1 to {MAX_RECORDED} (no prompt is longer), "
+                            f"got {self.prefill_chunk!r}")
         rule = parse_exit(self.exit)
         if rule is not None and (self.kv_cache_dtype != "auto" or self.cross_loop_kv):
             # the early-exit step writes the caches' own tensors; the compressed stores are not among them

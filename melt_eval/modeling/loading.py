@@ -379,6 +379,9 @@ def parse_model_ref(name_or_path: str, revision: str | None = None) -> ModelRef:
         if spec.hub_id is not None and revision is not None:
             return ModelRef(f"{text}@{revision}", spec=spec, repo_id=spec.hub_id, revision=revision)
         return ModelRef(text, spec=spec, repo_id=spec.hub_id)
+    if path.exists():  # a file where a checkpoint directory was meant (e.g. its model.safetensors)
+        raise UserError(f"--model {text!r} is a file, not a checkpoint directory; pass the directory holding its "
+                        "config.json and weights")
     if _path_like(text):
         raise UserError(f"checkpoint directory {text!r} does not exist; {REFERENCE_HELP}")
     repo, at, rev = text.partition("@")

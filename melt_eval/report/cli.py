@@ -121,7 +121,7 @@ def register(app: typer.Typer, *, load_measure_kv: Callable[[], Callable] | None
             contexts = tuple(int(c) for c in context.split(",") if c.strip())
         except ValueError:
             raise UserError(f"--context takes integers separated by commas, got {context!r}") from None
-        names = [m.strip() for m in models.split(",") if m.strip()] if models else None
+        names = [m.strip() for m in models.split(",") if m.strip()] if models is not None else None
         rows = mem.memory_table(names, contexts)
         if measure == "vllm":
             measured = measure_with_vllm([r.model for r in rows], load_measure_kv)

@@ -148,12 +148,23 @@ def memory_row(name: str, contexts=DEFAULT_CONTEXTS) -> MemoryRow:
     )
 
 
+MAX_CONTEXT = 2**31 - 1  # beyond it the byte counts lose their last digits in the table's floats
+
+
 def memory_table(models=None, contexts=DEFAULT_CONTEXTS) -> list[MemoryRow]:
+    from melt_eval.registry import MODELS
+
+    if models is not None and not list(models):
+        raise UserError("--models names no model; pass registry names (melt-eval models lists them), or leave it out "
+                        "for the paper's")
     models = list(models) if models else default_models()
+    unknown = [m for m in models if m not in MODELS]
+    if unknown:  # the table is the registry's analytic figures: a checkpoint directory or Hub id has none here
+        raise UserError(f"--models takes the registry's names, not {unknown[0]!r}; known: {', '.join(MODELS)}")
     if not contexts:
         raise UserError("--context needs at least one token count, e.g. --context 32000,32768")
-    if any(t <= 0 for t in contexts):
-        raise UserError(f"--context takes positive token counts, got {list(contexts)}")
+    if any(t <= 0 or t > MAX_CONTEXT for t in contexts):
+        raise UserError(f"--context takes token counts from 1 to {MAX_CONTEXT:,}, got {list(contexts)}")
     return [memory_row(m, contexts) for m in models]
 
 

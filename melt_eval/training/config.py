@@ -325,6 +325,18 @@ class _RecipeLoader(yaml.SafeLoader):
                                               event.start_mark)
         return super().compose_node(parent, index)
 
+    def construct_mapping(self, node, deep=False):
+        """A key given twice is refused: YAML's last-one-wins would drop the first value without a word."""
+        if isinstance(node, yaml.MappingNode):
+            seen = set()
+            for key_node, _ in node.value:
+                key = self.construct_object(key_node, deep=True)
+                if isinstance(key, str) and key in seen:
+                    raise yaml.constructor.ConstructorError(None, None, f"the key {key!r} is given twice",
+                                                            key_node.start_mark)
+                seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
 
 def parse_yaml(text: str, origin: str):
     """YAML text of recipe values (a file, a --set value); a one-line UserError naming `origin` if it is not."""
