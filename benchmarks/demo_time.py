@@ -56,14 +56,14 @@ def refuse(message: str) -> int:
     return 2
 
 
-def time_demo(checkout: Path, out: Path, label: str, seed: int, quick: bool = False) -> dict:
+def time_demo(checkout: Path, commit: str, out: Path, label: str, seed: int, quick: bool = False) -> dict:
     """One full demo from `checkout` into OUT/demo-<label>, timed from outside; its demo.json's headline beside."""
     demo_dir = out / f"demo-{label}"
     shutil.rmtree(demo_dir, ignore_errors=True)  # a cached stage would be reused, not timed
     env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}  # the demo picks its threads itself
     env["PYTHONPATH"] = str(checkout)  # this checkout's melt_eval, not the installed one
     # what ran, read before it runs (an edit during the run is not what was timed)
-    record = {"label": label, "seed": seed, "quick": quick, "commit": git("-C", str(checkout), "rev-parse", "HEAD")}
+    record = {"label": label, "seed": seed, "quick": quick, "commit": commit}
     if label == "current":
         record["uncommitted_changes"] = bool(git("status", "--porcelain", "--untracked-files=no"))
     load_start = os.getloadavg()
@@ -161,7 +161,7 @@ def run(a: argparse.Namespace) -> int:
                 checkout = worktree
             print(f"[demo-time] {label} ({'the checkout' if label == 'current' else ref[:12]}): started at load "
                   f"{os.getloadavg()[0]:.2f}", flush=True)
-            records[label] = time_demo(checkout, a.out, label, a.seed, a.quick)
+            records[label] = time_demo(checkout, commits[label], a.out, label, a.seed, a.quick)
             if records[label]["returncode"] != 0:
                 print(f"[demo-time] {label}: the demo failed (exit {records[label]['returncode']}); "
                       f"see {a.out / (label + '.log')}", file=sys.stderr)
