@@ -14,11 +14,16 @@ wired to the vLLM backend, so the report never imports a backend.
 from __future__ import annotations
 
 import importlib
+import os
 import signal
 import sys
 import threading
 
-from melt_eval import interrupts  # signal and threading only
+from melt_eval import float_path, interrupts  # neither imports torch
+
+# Before anything loads torch: the kernels, MKL branch and thread count every command computes with, inherited by
+# every process it starts (melt_eval/float_path.py).
+float_path.pin()
 
 
 def _interrupted_while_starting(signum, frame) -> None:
@@ -52,6 +57,9 @@ def vllm_measure_kv():
     return measure_kv
 
 
+# The commands whose numbers depend on the float path: where it cannot be the published one, they say so first.
+COMPUTING = ("train", "run", "score", "demo", "ablate")
+
 # What a command module is given besides the app: the parts of other layers its commands call.
 WIRING = {"melt_eval.report.cli": {"load_measure_kv": vllm_measure_kv}}
 
@@ -82,6 +90,9 @@ def main() -> None:
     if interrupts.requested():  # Ctrl-C at start-up whose SystemExit an import swallowed; its line is written
         sys.exit(130)
     interrupts.install()
+    command = next((a for a in sys.argv[1:] if not a.startswith("-")), None)
+    if command in COMPUTING and os.environ.get("RANK", "0") == "0" and (line := float_path.notice()):  # once per launch
+        typer.secho(line, fg=typer.colors.YELLOW, err=True)
     try:
         app()
     except UserError as exc:

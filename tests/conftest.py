@@ -17,6 +17,12 @@ if "MELT_EVAL_HOME" not in os.environ:  # a throw-away home, removed when the se
     os.environ["MELT_EVAL_HOME"] = tempfile.mkdtemp(prefix="melt-eval-test-home-")
     atexit.register(shutil.rmtree, os.environ["MELT_EVAL_HOME"], ignore_errors=True)
 
+# The float path every command pins (melt_eval/float_path.py), set before torch loads, so that tests calling the
+# library in this process compute as the commands they start do.
+from melt_eval import float_path  # noqa: E402  (imports no torch)
+
+float_path.pin()
+
 REPO = Path(__file__).resolve().parents[1]
 SHARED_BENCHMARKS = REPO.parent / "shared" / "benchmarks"
 

@@ -23,6 +23,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+from melt_eval import float_path
 from melt_eval.errors import SettingsChanged, UserError
 from melt_eval.evaluation import data
 from melt_eval.evaluation.lighteval_model import CompletionStore, HarnessModel, problem_key
@@ -486,6 +487,7 @@ def _finish(spec, rows, loaded, options, identity, task_dir: Path, store, metric
         "model": identity["model"], "task": spec.name, "finished": True, "metrics": metrics,
         "settings": identity["settings"], "model_path": identity["model_path"], "config_hash": identity["config_hash"],
         "versions": versions(),
+        "float_path": float_path.describe(),  # the kernels, MKL branch and threads that computed it
         # over every segment of a run interrupted and resumed, as an uninterrupted run would report them:
         # wall_time_s and generated_tokens summed, peak_cache_bytes the largest, and how many segments
         **{k: v for k, v in totals.items() if k not in ("analytic_cache_bytes", "cache_rows")},

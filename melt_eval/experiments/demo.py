@@ -22,6 +22,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from melt_eval import float_path
 from melt_eval.errors import SettingsChanged, UserError
 from melt_eval.experiments import ablations
 from melt_eval.experiments.ablations import TrainRun
@@ -208,6 +209,8 @@ def _run_demo(output: Path, quick: bool, progress: bool, seed: int, threads: int
         "quick": quick, "seed": seed, "compile": compile, "wall_time_s": round(time.perf_counter() - started, 1), "stages_s": stages,
         "work_s": work,
         "load_average": {"start": load_at_start, "end": _load_average()},
+        # the main process's (the teacher trains there); the side-by-side jobs compute with one thread each
+        "float_path": dict(float_path.describe(), job_threads=1),
         "teacher_pass@1": pass_at_1("ouro-tiny"), "melt_pass@1": pass_at_1("melt-tiny"), "loop_profile": profiles,
         "gate_profile": gate_profile,
         "teacher_pass@1_by_loops": {str(t): pass_at_1(f"loops/ouro-tiny-T{t}" if t != 4 else "ouro-tiny") for t in size.loops},
@@ -375,15 +378,16 @@ def _previous_runs(path: Path) -> list[dict]:
 
 
 def _pick_threads(report: bool, default: int) -> None:
-    """One intra-op thread when other work already fills the cores, torch's `default` otherwise (an explicit
-    OMP_NUM_THREADS is left alone). On a loaded machine every operation of a multi-threaded step waits for
-    a thread the scheduler has parked, so one thread runs it several times faster than all cores
-    (docs/results/2026-11-26-benchmarks.md#other-timings)."""
+    """Off the pinned float path only (MELT_EVAL_FLOAT_PATH=native, no OMP_NUM_THREADS): one intra-op thread when
+    other work already fills the cores, torch's `default` otherwise. On a loaded machine every operation of a
+    multi-threaded step waits for a thread the scheduler has parked, so one thread runs it several times faster
+    than all cores (docs/results/2026-11-26-benchmarks.md#other-timings); but the thread count changes the bits,
+    so the pin keeps its count whatever the load."""
     import os
 
     import torch
 
-    if os.environ.get("OMP_NUM_THREADS"):
+    if float_path.pinned() or os.environ.get("OMP_NUM_THREADS"):
         return
     others = _load_average()[0] - torch.get_num_threads()  # the load average counts this process's threads too
     threads = 1 if others >= (os.cpu_count() or 1) else default

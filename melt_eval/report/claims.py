@@ -482,6 +482,7 @@ class RunClaims:
     path: Path
     claims: list[Claim]
     saved: bool = False  # read back from a claims.json (`read_saved_claims`), not computed from results
+    float_path: dict | None = None  # what computed it (melt_eval/float_path.py): demo.json's, else a results.json's
 
     @property
     def holding(self) -> int:
@@ -568,9 +569,34 @@ def claims_of_runs(paths: list[Path]) -> list[RunClaims]:
         labels = [d.name or str(d) for d in directories]
         if len(set(labels)) < len(labels):
             labels = [str(p) for p in paths]
-    return [RunClaims(label, d, read_saved_claims(p), saved=True) if p.is_file()
-            else RunClaims(label, d, paper_claims(_readable_results(results_root(d))))
-            for label, d, p in zip(labels, directories, paths)]
+    return [RunClaims(label, d, read_saved_claims(p), saved=True, float_path=_float_path(d, demo)) if p.is_file()
+            else RunClaims(label, d, paper_claims(_readable_results(results_root(d))), float_path=_float_path(d, demo))
+            for label, d, p, demo in zip(labels, directories, paths, demos)]
+
+
+def _float_path(directory: Path, demo: dict | None) -> dict | None:
+    """The float path a run recorded: its demo.json's, else the first results.json's that has one."""
+    if demo is not None:
+        return demo.get("float_path") if isinstance(demo.get("float_path"), dict) else None
+    for f in sorted(results_root(directory).glob("**/results.json")):
+        try:
+            recorded = json.loads(f.read_text()).get("float_path")
+        except (OSError, ValueError, AttributeError):
+            continue
+        if isinstance(recorded, dict):
+            return recorded
+    return None
+
+
+def float_path_note(runs: list[RunClaims]) -> str | None:
+    """One line where the runs compared were not computed on one float path (so equal seeds need not agree)."""
+    from melt_eval import float_path
+
+    keys = {float_path.key(r.float_path) for r in runs}
+    if len(runs) < 2 or len(keys) == 1:
+        return None
+    paths = "; ".join(f"{r.label}: {float_path.label(r.float_path)}" for r in runs)
+    return f"note: these runs were computed on different float paths, so their figures differ by more than the seed ({paths})"
 
 
 def _readable_results(root: Path) -> ResultSet:
@@ -626,8 +652,10 @@ def across_json(runs: list[RunClaims]) -> dict:
             "paper": first.paper, "paper_holds": first.paper_holds,
         })
     return {"runs": [{"label": r.label, "path": str(r.path), "claims_hold": r.holding, "close_calls": r.close_calls,
-                      "claims": len(r.claims), "verdicts": "read from claims.json" if r.saved else "computed from results"}
+                      "claims": len(r.claims), "verdicts": "read from claims.json" if r.saved else "computed from results",
+                      "float_path": r.float_path}
                      for r in runs],
+            "float_path_note": float_path_note(runs),
             "claims": claims,
             "gate_head_to_head": {g: {"elementwise_at_least_as_high": h.at_least_as_high, "runs": h.runs,
                                       "mean_gap": h.mean_gap, "gap_stderr": h.gap_stderr}

@@ -81,7 +81,7 @@ def register(app: typer.Typer, *, load_measure_kv: Callable[[], Callable] | None
     ) -> None:
         """The paper's claims in each run, side by side, how many runs each holds in (the demo at several seeds), and
         how many of its verdicts rest on a gap under 2 standard errors (close calls, which a rerun could turn)."""
-        from melt_eval.report.claims import across_json, claims_of_runs, results_root
+        from melt_eval.report.claims import across_json, claims_of_runs, float_path_note, results_root
         from melt_eval.report.tables import claims_across_table
 
         for d in runs:
@@ -95,6 +95,8 @@ def register(app: typer.Typer, *, load_measure_kv: Callable[[], Callable] | None
                 hint = f", or {saved} to read its saved verdicts" if saved.is_file() else ""
                 raise UserError(f"no results under {d}; pass a directory the demo, run or ablate wrote{hint}")
         checked = claims_of_runs(runs)
+        if note := float_path_note(checked):
+            typer.secho(note, fg=typer.colors.YELLOW, err=True)
         if fmt == "json":
             typer.echo(json.dumps(across_json(checked), indent=2))
             return

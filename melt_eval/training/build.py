@@ -104,6 +104,8 @@ def build_models(recipe: Recipe):
         if teacher_ref is None:
             teacher_ref, teacher = recipe.from_model, model  # the frozen copy of the starting LoopLM
             info["teacher_path"] = str(from_dir)
+            # until its first update, at alpha = 0, the student computes its teacher's function (unpooled heads)
+            info["student_is_teacher"] = student.config.num_key_value_heads == model.config.num_key_value_heads
     if recipe.needs_teacher() and teacher is None:
         teacher_dir = resolve_model_dir(teacher_ref)
         if checkpoint_model_type(teacher_dir) != "ouro":
@@ -256,5 +258,6 @@ def prepare_training(accelerator, recipe: Recipe, mixed_precision: str) -> tuple
     learned_gate = any(True for _ in student.gate_parameters()) if hasattr(student, "gate_parameters") else False
     trainee = Trainee(accelerator=accelerator, model=model, optimizer=optimizer, teacher=teacher, stream=stream,
                       recipe=recipe, world=world, accum=recipe.grad_accum_steps(world), pad_id=pad_id,
-                      pad_multiple=pad_multiple, learned_gate=learned_gate)
+                      pad_multiple=pad_multiple, learned_gate=learned_gate,
+                      student_is_teacher=bool(info.pop("student_is_teacher", False)))
     return trainee, tokenizer, info

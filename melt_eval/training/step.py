@@ -41,6 +41,7 @@ class Trainee:
     pad_id: int
     pad_multiple: int
     learned_gate: bool
+    student_is_teacher: bool = False  # converted from the teacher in this run: equal functions at alpha = 0
 
 
 @contextlib.contextmanager
@@ -177,8 +178,14 @@ def train_step(t: Trainee, step: int, tokens_seen: int, last_good: Path | None) 
                            sum(float(b["attention_mask"].sum()) for b in batches),
                            sum(b["attention_mask"].numel() for b in batches)], device=accelerator.device)
     n_loss, n_tok, n_slots = accelerator.reduce(counts, reduction="sum").tolist()
-    parts, gate_means = _accumulate(t, batches, step, n_loss, n_tok)
-    grad_norm = _update(t, step, parts, last_good)
+    if exactly_zero(t, step):
+        # The exact loss and gradient are 0; the computed ones are the rounding of two float paths (chunk-wise
+        # student, parallel teacher), about 1e-9, which AdamW, blind to scale, would turn into a full
+        # learning-rate step in every weight. The step keeps its batch, so the data that follows is unchanged.
+        parts, gate_means, grad_norm = {"loss": 0.0, "kd": 0.0, **({"align": 0.0} if recipe.align_beta else {})}, None, 0.0
+    else:
+        parts, gate_means = _accumulate(t, batches, step, n_loss, n_tok)
+        grad_norm = _update(t, step, parts, last_good)
     tokens_seen += int(n_tok)
     dt = time.perf_counter() - t0
     record = {"step": step + 1, **parts, "alpha": alpha, "grad_norm": grad_norm, "tokens": int(n_tok),
@@ -190,6 +197,15 @@ def train_step(t: Trainee, step: int, tokens_seen: int, last_good: Path | None) 
     if gate_means is not None:
         record[GATE_MEANS] = gate_means  # on the device; `read_gate_means` reads it when the step is logged
     return record
+
+
+def exactly_zero(t: Trainee, step: int) -> bool:
+    """Whether step `step`'s objective is 0 by construction: phase 1's first step (alpha = 0), where the student is
+    the teacher it was converted from (no update yet) and the objective only compares it with that teacher (KD,
+    alignment; no cross-entropy term). Such a step changes no weight (docs/training.md#the-first-step)."""
+    recipe = t.recipe
+    return (t.student_is_teacher and recipe.target == "melt" and recipe.interpolation_steps > 0
+            and recipe.alpha(step) == 0.0 and recipe.kd and not recipe.ce_weight and not recipe.exit_aware_p)
 
 
 GATE_MEANS = "gate_means_on_device"
