@@ -19,11 +19,12 @@ import signal
 import sys
 import threading
 
-from melt_eval import float_path, interrupts  # neither imports torch
+from melt_eval import compile_cache, float_path, interrupts  # none imports torch
 
 # Before anything loads torch: the kernels, MKL branch and thread count every command computes with, inherited by
 # every process it starts (melt_eval/float_path.py).
 float_path.pin()
+compile_cache.pin()  # Inductor's cache under MELT_EVAL_HOME, not /tmp (melt_eval/compile_cache.py)
 
 
 def _interrupted_while_starting(signum, frame) -> None:

@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from melt_eval import interrupts
+from melt_eval import compile_cache, interrupts
 from melt_eval.files import DirLock
 from melt_eval.training.build import param_groups, prepare_training
 from melt_eval.training.checkpoints import load_checkpoint, write_checkpoint
@@ -63,6 +63,7 @@ def train(recipe: Recipe, output: str | Path, *, resume: bool = False, progress:
     """
     from accelerate import PartialState
 
+    compile_cache.pin()  # the command line did it already; the Python API too, before anything compiles
     output = Path(output).expanduser().resolve()
     state = PartialState(**accelerator_kwargs())  # joins the launcher's ranks (gloo on CPUs)
     check_fsdp(state)  # before Accelerator(), which fails with a traceback when asked for FSDP without a GPU
