@@ -117,6 +117,62 @@ def serve_command(model: str, *, host: str | None = None, port: int = 8000, serv
     return cmd + list(extra or [])
 
 
+def listen_address(host: str | None, port: int, extra: list[str]) -> tuple[str | None, int] | None:
+    """Where vLLM will listen: --host/--port, or their last value among the arguments passed through (vLLM's
+    parser keeps the last); None for a Unix socket (--uds) or a port vLLM itself will refuse."""
+    for i, arg in enumerate(extra):
+        name, eq, value = arg.partition("=")
+        name = name.replace("_", "-")
+        if name not in ("--host", "--port", "--uds"):
+            continue
+        if not eq:
+            value = extra[i + 1] if i + 1 < len(extra) else ""
+        if name == "--uds":
+            return None
+        if name == "--host":
+            host = value
+        elif value.isdigit():
+            port = int(value)
+        else:
+            return None
+    return (host, port) if 1 <= port <= 65535 else None
+
+
+def check_listen(host: str | None, port: int) -> None:
+    """Bind (host or every address, port) as vLLM's server will (vllm.entrypoints.launchers.launcher
+    .create_server_socket), then let it go: a host that does not resolve, a port in use or one needing root is
+    one line now, not vLLM's traceback after its engine's start-up."""
+    import errno
+    import ipaddress
+    import socket
+
+    try:
+        ipaddress.IPv6Address(host or "")
+        family = socket.AF_INET6
+    except ValueError:
+        family = socket.AF_INET
+    where = f"{host}:{port}" if host else f"port {port}"
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as vLLM: a closed server's TIME_WAIT is no clash
+        try:
+            sock.bind((host or "", port))
+        except socket.gaierror as exc:
+            raise UserError(f"--host {host!r} does not resolve ({exc.strerror}); pass a name or address of this "
+                            "machine (127.0.0.1, 0.0.0.0 for every address)") from None
+        except (OSError, UnicodeError, ValueError) as exc:
+            code = getattr(exc, "errno", None)
+            if code == errno.EADDRINUSE:
+                raise UserError(f"{where} is already in use; pass another --port, or stop what listens there") from None
+            if code == errno.EACCES:
+                raise UserError(f"cannot listen on {where} (permission denied: ports below 1024 need root); "
+                                "pass a --port from 1024 to 65535") from None
+            if code == errno.EADDRNOTAVAIL:
+                raise UserError(f"--host {host} is not an address of this machine; pass one of its addresses "
+                                "(127.0.0.1, 0.0.0.0 for every address)") from None
+            raise UserError(f"cannot listen on {where} ({getattr(exc, 'strerror', None) or exc}); "
+                            "pass another --host or --port") from None
+
+
 def register(app: typer.Typer) -> None:
     @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
     def serve(
@@ -154,6 +210,8 @@ def register(app: typer.Typer) -> None:
 
         Further arguments go to vLLM unchanged, e.g. `melt-eval serve melt-1.6b -- --max-num-seqs 512`.
         """
+        if not dry_run and (address := listen_address(host, port, list(ctx.args))):
+            check_listen(*address)  # before the model is looked up and vLLM's engine starts
         cmd = serve_command(
             model, host=host, port=port, served_model_name=served_model_name, loops=loops, kv_sharing=kv_sharing,
             prefill_chunk=prefill_chunk, dtype=dtype, max_model_len=max_model_len,
