@@ -5,6 +5,7 @@ UserError naming the file (and line), never a traceback."""
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Iterator
 
@@ -61,6 +62,23 @@ def parse_json(text: str, where: str, what: str = "JSON"):
         raise UserError(f"{where} is nested more than {MAX_DEPTH} levels deep; it cannot be {what}")
     _check_strings(obj, where)
     return obj
+
+
+def finite(obj):
+    """`obj` with every float that is not finite (NaN, Infinity) as None: JSON has no such numbers."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [finite(v) for v in obj]
+    return obj
+
+
+def dumps(obj, **kwargs) -> str:
+    """Strict JSON for what the harness prints: a number that is not finite is null, never NaN (which no
+    JSON reader but Python's accepts)."""
+    return json.dumps(finite(obj), allow_nan=False, **kwargs)
 
 
 def read_json(path: str | Path, what: str = "a JSON file", max_bytes: int = MAX_READ_BYTES):

@@ -556,6 +556,96 @@ def test_claims_refuse_a_run_given_twice_quick_beside_full_damaged_results_and_i
         assert "does not hold this version's" in assert_one_line_error(capsys, ["claims", str(saved)])
 
 
+def test_claims_refuse_a_copied_run_escape_file_text_and_check_every_saved_number(tmp_path, capsys):
+    """Issue 69: a copy of a run (cp -r, or its claims.json elsewhere) is not a second run; a brief or a label from a
+    file cannot drive the terminal; a saved NaN, Infinity or impossible number is refused and the JSON printed is
+    strict."""
+    from melt_eval.files import write_json_atomic
+    from melt_eval.jsonio import dumps
+    from melt_eval.report.claims import paper_claims
+
+    for seed, override in ((0, {}), (1, {"gates/scalar": 0.48})):
+        _demo_like_results(tmp_path / f"demo-{seed}" / "results", **override)
+        (tmp_path / f"demo-{seed}" / "demo.json").write_text(json.dumps({"seed": seed, "quick": False}))
+    saved = tmp_path / "demo-0" / "report" / "claims.json"
+    saved.parent.mkdir()
+    write_json_atomic(saved, [c.to_json() for c in paper_claims(load_results(tmp_path / "demo-0" / "results"))], strict=True)
+    d0, d1 = str(tmp_path / "demo-0"), str(tmp_path / "demo-1")
+    shutil.copytree(d0, tmp_path / "demo-0-copy")
+    (tmp_path / "elsewhere").mkdir()
+    shutil.copy(saved, tmp_path / "elsewhere" / "claims.json")
+    err = assert_one_line_error(capsys, ["claims", d0, d1, str(tmp_path / "demo-0-copy")])
+    assert f"{d0} and {tmp_path / 'demo-0-copy'} are the same run (seed 0, the same settings and the same results)" in err
+    err = assert_one_line_error(capsys, ["claims", str(tmp_path / "elsewhere" / "claims.json"), d0])
+    assert "are the same run (the same results to the last digit)" in err
+    # the same seed with other figures (another float path) is a second run; other seeds with equal figures too
+    (tmp_path / "demo-1" / "demo.json").write_text(json.dumps({"seed": 0, "quick": False}))
+    assert runner.invoke(app, ["claims", d0, d1]).exit_code == 0
+    shutil.rmtree(tmp_path / "demo-1" / "results")
+    shutil.copytree(tmp_path / "demo-0" / "results", tmp_path / "demo-1" / "results")
+    (tmp_path / "demo-1" / "demo.json").write_text(json.dumps({"seed": 1, "quick": False}))
+    assert runner.invoke(app, ["claims", d0, d1]).exit_code == 0
+
+    # escape sequences in a saved brief and in a directory's name (rich markup too): printed as escapes
+    claims = json.loads(saved.read_text())
+    hostile = tmp_path / "run-\x1b[2J-[bold]"
+    (hostile / "report").mkdir(parents=True)
+    (hostile / "report" / "claims.json").write_text(json.dumps([dict(claims[0], brief="\x1b[2J\x1b]0;owned\x07\nrow"),
+                                                                *claims[1:]]))
+    for fmt in ("table", "markdown", "latex"):
+        res = runner.invoke(app, ["claims", d1, str(hostile / "report" / "claims.json"), "--format", fmt])
+        assert res.exit_code == 0, res.output
+        assert not any(c in res.output for c in "\x1b\x07"), repr(res.output)
+        assert "2J" in res.output and "owned" in res.output and "row" in res.output and "-[bold]" in res.output
+    md = runner.invoke(app, ["claims", d1, str(hostile / "report" / "claims.json"), "--format", "markdown"]).output
+    assert "\\x1b[2J\\x1b]0;owned\\x07\\nrow" in md  # one row: the newline escaped too
+    assert "| run-\\x1b[2J-[bold] |" in md
+    res = runner.invoke(app, ["claims", d1, str(hostile / "report" / "claims.json"), "--format", "json"])
+    assert json.loads(res.output)["claims"][0]["runs"][1]["brief"] == "\x1b[2J\x1b]0;owned\x07\nrow"
+
+    # every saved number: finite and in its range, wherever it is in a claim's values
+    gate = next(i for i, c in enumerate(claims) if c["claim"] == "The element-wise gate is the best gate")
+    bad_values = [(0, "ratio", float("nan")), (0, "ratio", float("inf")), (0, "melt_pass@1", 1.5), (0, "loops", True),
+                  (0, "loops", 2.5), (0, "tasks", [float("nan")]), (3, "drops_in_stderr", {"-align": float("-inf")}),
+                  (gate, "stderr", {"elementwise": -0.01}), (5, "cache_mb", [1.0, "x"]), (0, "melt", 3)]
+    for i, key, value in bad_values:
+        saved.write_text(json.dumps([*claims[:i], dict(claims[i], values=dict(claims[i]["values"], **{key: value})),
+                                     *claims[i + 1:]]))
+        err = assert_one_line_error(capsys, ["claims", str(saved)])
+        assert "does not hold this version's" in err and f"claim {i + 1}: values.{key}" in err, (key, err)
+    saved.write_text(json.dumps(claims))
+    assert runner.invoke(app, ["claims", str(saved), d1]).exit_code == 0
+
+    # a demo.json's seed and flags, and a results.json's numbers, as the harness writes them
+    for record in ({"seed": True}, {"seed": -1}, {"seed": "\x1b[2J"}, {"seed": 2**40}, {"seed": 1, "quick": "no"}):
+        (tmp_path / "demo-1" / "demo.json").write_text(json.dumps(record))
+        err = assert_one_line_error(capsys, ["claims", d0, d1])
+        assert "demo.json holds" in err and "\x1b" not in err
+    (tmp_path / "demo-1" / "demo.json").write_text(json.dumps({"seed": 1, "quick": False, "float_path": {"kernels": [1]}}))
+    assert "records float_path.kernels as [1]" in assert_one_line_error(capsys, ["claims", d0, d1])
+    (tmp_path / "demo-1" / "demo.json").write_text(json.dumps({"seed": 1, "quick": False, "float_path": {"kernels": "\x1b[2J"}}))
+    from helpers import main_exit_code
+
+    assert main_exit_code(["claims", d0, d1]) == 0
+    note = capsys.readouterr().err
+    assert "different float paths" in note and "seed 1: \\x1b[2J kernels" in note and "\x1b" not in note
+    (tmp_path / "demo-1" / "demo.json").write_text(json.dumps({"seed": 1, "quick": False}))
+    one = tmp_path / "demo-1" / "results" / "melt-tiny" / "synthetic" / "results.json"
+    good = json.loads(one.read_text())
+    for change, said in (({"wall_time_s": float("nan")}, "wall_time_s is nan"),
+                         ({"settings": {"loops": 0}}, "settings.loops is 0"),
+                         ({"peak_cache_bytes": -1}, "peak_cache_bytes is -1")):
+        one.write_text(json.dumps(good | change))
+        err = assert_one_line_error(capsys, ["claims", d0, d1])
+        assert said in err and "not decided from damaged results" in err
+    one.write_text(json.dumps(good))
+
+    # the JSON printed is strict: parsed without NaN or Infinity; a number that is not finite prints as null
+    res = runner.invoke(app, ["claims", d0, d1, "--format", "json"])
+    assert res.exit_code == 0 and json.loads(res.output, parse_constant=lambda c: pytest.fail(c))["runs"]
+    assert dumps({"a": float("nan"), "b": [float("inf"), 1.5]}) == '{"a": null, "b": [null, 1.5]}'
+
+
 def test_mistakes_table_counts_where_each_wrong_reply_first_goes_wrong(tmp_path):
     """From each evaluation's details.jsonl beside its results.json, against the synthetic test split: wrong
     replies by first mistake, problems never right, right answers reached through a wrong step."""

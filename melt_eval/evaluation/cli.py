@@ -230,7 +230,9 @@ def register(app: typer.Typer) -> None:
             out = {name: m["value"] for name, m in result["metrics"].items()}
             out.update({f"{name}_stderr": m["stderr"] for name, m in result["metrics"].items()})
             out["num_problems"] = result["num_problems"]
-            typer.echo(json.dumps(out))
+            from melt_eval.jsonio import dumps  # strict: a NaN stderr prints as null
+
+            typer.echo(dumps(out))
             return
         table = Table(title=f"{result['task']}: {result['num_problems']} problems scored")
         table.add_column("metric")

@@ -192,8 +192,8 @@ def _run_demo(output: Path, quick: bool, progress: bool, seed: int, threads: int
     (output / "report" / "paper_tables.md").write_text(render_markdown_report(paper_tables))
     measured = load_results(results)
     claims = paper_claims(measured)
-    write_json_atomic(output / "report" / "claims.json", [c.to_json() for c in claims])
-    write_json_atomic(output / "report" / "mistakes.json", mistakes_json(measured))
+    write_json_atomic(output / "report" / "claims.json", [c.to_json() for c in claims], strict=True)
+    write_json_atomic(output / "report" / "mistakes.json", mistakes_json(measured), strict=True)
     # where each model does its work, loop by loop: docs/results/demo-history.md traces the conversion's seed dependence to it
     profiles = {name: checkpoint_profile(model) for name, model in main.items()}
     # what each gate learned (z at loops 2..T at the end of training), to read beside the gate claim

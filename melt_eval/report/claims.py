@@ -37,6 +37,7 @@ kilobytes), and the table says which runs were read so.
 from __future__ import annotations
 
 import json
+import math
 import statistics
 from dataclasses import dataclass, field, fields as dataclass_fields
 from pathlib import Path
@@ -45,6 +46,7 @@ from melt_eval.errors import UserError
 from melt_eval.jsonio import read_json, read_text
 from melt_eval.protocol import variants
 from melt_eval.report.results import Result, ResultSet, load_results
+from melt_eval.report.render import printable
 
 KEEP = 0.90  # claim 1
 COLLAPSE = 0.25  # claims 2 and 3
@@ -498,13 +500,32 @@ def results_root(directory: Path) -> Path:
     return directory / "results" if (directory / "results").is_dir() else directory
 
 
+MAX_SEED = 2**32 - 1  # the demo's --seed cap
+
+
+def _short(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
 def _demo_record(directory: Path) -> dict | None:
-    """The demo.json of a demo's output directory (None where there is none, or none readable)."""
+    """The demo.json of a demo's output directory (None where there is none, or none readable). Its seed (the run's
+    label) and flags must be what the demo writes: a seed of true, -1 or a string is refused, not printed."""
     try:
         demo = json.loads(read_text(directory / "demo.json", "a demo.json"))
     except (OSError, ValueError, UserError):
         return None
-    return demo if isinstance(demo, dict) and demo.get("seed") is not None else None
+    if not isinstance(demo, dict) or demo.get("seed") is None:
+        return None
+    seed = demo["seed"]
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= MAX_SEED:
+        raise UserError(f"{directory / 'demo.json'} holds seed {_short(seed)}, not a whole number 0 to {MAX_SEED} as the "
+                        "demo writes it; mend or move the file aside")
+    for flag in ("quick", "compile"):
+        if demo.get(flag) is not None and not isinstance(demo[flag], bool):
+            raise UserError(f"{directory / 'demo.json'} holds {flag} {_short(demo[flag])}, not true or false; "
+                            "mend or move the file aside")
+    return demo
 
 
 def _demo_label(demo: dict | None) -> str | None:
@@ -519,6 +540,42 @@ def _run_directory(path: Path) -> Path:
     if path.is_dir():
         return path
     return path.parent.parent if path.parent.name == "report" else path.parent
+
+
+# what each key of a claim's `values` holds: (lowest, highest, None allowed); any key holding "pass@1" is a fraction,
+# the other keys (model and task names, which error a gap used) hold text
+_VALUE_RANGES = {"drops": (-1, 1, False), "ratio": (0, math.inf, False), "ratios": (0, math.inf, False),
+                 "cache_ratio": (0, math.inf, False), "cache_mb": (0, math.inf, True), "loops": (1, math.inf, False),
+                 "stderr": (0, 1, True), "drops_in_stderr": (-math.inf, math.inf, True),
+                 "rises_in_stderr": (-math.inf, math.inf, True), "lead_in_stderr": (-math.inf, math.inf, True)}
+
+
+def _bad_value(values: dict) -> str | None:
+    """The first entry of a saved claim's `values` no check computes, said for an error ('values.pass@1.scalar is
+    nan, not a number from 0 to 1'): a number not finite or out of its key's range, loops not whole, text where
+    a number belongs or a number where text does; None if all are well formed."""
+    stack = [(f"values.{k}", k, v) for k, v in values.items()]
+    while stack:
+        where, key, v = stack.pop()
+        if isinstance(v, dict):
+            stack += [(f"{where}.{k}", key, x) for k, x in v.items()]
+            continue
+        if isinstance(v, list):
+            stack += [(f"{where}[{i}]", key, x) for i, x in enumerate(v)]
+            continue
+        low, high, none = (0, 1, False) if "pass@1" in key else _VALUE_RANGES.get(key, (None, None, True))
+        if low is None:  # text
+            if not (v is None or isinstance(v, str)):
+                return f"{printable(where)} is {_short(v)}, not text"
+        elif v is None:
+            if not none:
+                return f"{printable(where)} is null, not a number"
+        elif (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or not low <= v <= high
+              or key == "loops" and not isinstance(v, int)):
+            return f"{printable(where)} is {_short(v)}, not a {'whole ' if key == 'loops' else ''}number " + \
+                (f"from {low:g} to {high:g}" if math.isfinite(high) else f"of at least {low:g}" if math.isfinite(low)
+                 else "(finite)")
+    return None
 
 
 def read_saved_claims(path: Path) -> list[Claim]:
@@ -542,13 +599,17 @@ def read_saved_claims(path: Path) -> list[Claim]:
             or [(c["claim"], c["threshold"]) for c in data] != expected):
         raise UserError(f"{path} does not hold this version's {len(expected)} claims as the demo writes them; "
                         "pass the run's directory to check its results again")
+    for i, c in enumerate(data, 1):  # every number, not only the gate's: NaN or Infinity would print as NaN
+        if (bad := _bad_value(c["values"])) is not None:
+            raise UserError(f"{path} does not hold this version's {len(expected)} claims as the demo writes them "
+                            f"(claim {i}: {bad}); pass the run's directory to check its results again")
     return [Claim(**{k: c[k] for k in fields}) for c in data]
 
 
 def claims_of_runs(paths: list[Path]) -> list[RunClaims]:
     """Each run's claims, computed from its results, or read as saved where the path is a claims.json file;
     labelled by the demo's seed where the run is a demo's; directory names where the seeds would not tell runs
-    apart. Refused (UserError): a run given twice (it would count twice in "holds in"), --quick demos beside
+    apart. Refused (UserError): a run given twice or copied (it would count twice in "holds in"), --quick demos beside
     full ones (a quick demo's numbers mean nothing), and results that cannot be read (a claim would read as
     not run where its results are damaged)."""
     directories = [_run_directory(p) for p in paths]
@@ -569,23 +630,56 @@ def claims_of_runs(paths: list[Path]) -> list[RunClaims]:
         labels = [d.name or str(d) for d in directories]
         if len(set(labels)) < len(labels):
             labels = [str(p) for p in paths]
-    return [RunClaims(label, d, read_saved_claims(p), saved=True, float_path=_float_path(d, demo)) if p.is_file()
+    runs = [RunClaims(label, d, read_saved_claims(p), saved=True, float_path=_float_path(d, demo)) if p.is_file()
             else RunClaims(label, d, paper_claims(_readable_results(results_root(d))), float_path=_float_path(d, demo))
             for label, d, p, demo in zip(labels, directories, paths, demos)]
+    _refuse_copies(runs, paths, demos)
+    return runs
+
+
+_SETTINGS = ("seed", "quick", "compile")  # what demo.json says a demo ran with
+
+
+def _refuse_copies(runs: list[RunClaims], paths: list[Path], demos: list[dict | None]) -> None:
+    """Two runs with the same results (every claim's figures, to the last digit) and, where both are demos, the same
+    seed and settings are one run, copied (cp -r DEMO DEMO2, or its claims.json): refused, or it would count twice
+    in "holds in". The same seed on another float path gives other figures, so it stays a second run."""
+    results = [json.dumps([c.to_json() for c in r.claims], sort_keys=True, default=str) for r in runs]
+    for j in range(len(runs)):
+        for i in range(j):
+            a, b = demos[i], demos[j]
+            if results[i] != results[j] or a is not None and b is not None and \
+                    [a.get(k) for k in _SETTINGS] != [b.get(k) for k in _SETTINGS]:
+                continue
+            why = f"seed {a['seed']}, the same settings and the same results" if a is not None and b is not None \
+                else "the same results to the last digit"
+            raise UserError(f"{paths[i]} and {paths[j]} are the same run ({why}): a copy counts once; pass each run once")
 
 
 def _float_path(directory: Path, demo: dict | None) -> dict | None:
     """The float path a run recorded: its demo.json's, else the first results.json's that has one."""
     if demo is not None:
-        return demo.get("float_path") if isinstance(demo.get("float_path"), dict) else None
+        return _checked_float_path(demo.get("float_path"), directory / "demo.json")
     for f in sorted(results_root(directory).glob("**/results.json")):
         try:
             recorded = json.loads(f.read_text()).get("float_path")
         except (OSError, ValueError, AttributeError):
             continue
         if isinstance(recorded, dict):
-            return recorded
+            return _checked_float_path(recorded, f)
     return None
+
+
+def _checked_float_path(recorded, where: Path) -> dict | None:
+    """A recorded float path whose fields are plain values (its note compares and prints them): a list would be a
+    TypeError, NaN never equal to itself."""
+    if not isinstance(recorded, dict):
+        return None
+    for k, v in recorded.items():
+        if not (v is None or isinstance(v, (str, bool, int)) or isinstance(v, float) and math.isfinite(v)):
+            raise UserError(f"{where} records float_path.{printable(k)} as {_short(v)}, not a plain value as the harness "
+                            "writes it; mend or move the file aside")
+    return recorded
 
 
 def float_path_note(runs: list[RunClaims]) -> str | None:
@@ -595,7 +689,7 @@ def float_path_note(runs: list[RunClaims]) -> str | None:
     keys = {float_path.key(r.float_path) for r in runs}
     if len(runs) < 2 or len(keys) == 1:
         return None
-    paths = "; ".join(f"{r.label}: {float_path.label(r.float_path)}" for r in runs)
+    paths = printable("; ".join(f"{r.label}: {float_path.label(r.float_path)}" for r in runs))  # text from files
     return f"note: these runs were computed on different float paths, so their figures differ by more than the seed ({paths})"
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Callable, Literal, Optional
 
@@ -98,7 +97,9 @@ def register(app: typer.Typer, *, load_measure_kv: Callable[[], Callable] | None
         if note := float_path_note(checked):
             typer.secho(note, fg=typer.colors.YELLOW, err=True)
         if fmt == "json":
-            typer.echo(json.dumps(across_json(checked), indent=2))
+            from melt_eval.jsonio import dumps  # strict: NaN is no JSON
+
+            typer.echo(dumps(across_json(checked), indent=2))
             return
         table = claims_across_table(checked)
         if fmt == "markdown":
@@ -130,7 +131,9 @@ def register(app: typer.Typer, *, load_measure_kv: Callable[[], Callable] | None
             for r in rows:
                 r.measured = measured.get(r.model)
         if fmt == "json":
-            typer.echo(json.dumps(mem.to_json(rows), indent=2))
+            from melt_eval.jsonio import dumps
+
+            typer.echo(dumps(mem.to_json(rows), indent=2))
         elif fmt == "latex":
             typer.echo(render_latex(mem.as_table(rows, contexts)))
         else:

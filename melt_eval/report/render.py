@@ -6,11 +6,21 @@ as `Table`s and printed or written only through here.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import unicodedata
+from dataclasses import dataclass, field, replace
 
 from melt_eval.report.latex import standalone, tex_escape
 
 NA = "n/a"
+
+
+def printable(text: str) -> str:
+    """`text` with its control characters written as escapes (ESC as \\x1b): a label or a brief read from a
+    file must not clear or recolour the terminal, nor break a Markdown row with a newline."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() or unicodedata.category(c) == "Zs" else
+                   c.encode("unicode_escape").decode("ascii") for c in text)
 
 
 @dataclass
@@ -58,6 +68,18 @@ class Table:
 
 
 # ------------------------------------------------------------------ rendering
+
+
+def _printable_table(t: Table) -> Table:
+    """`t` with every text escaped by `printable` (its labels and briefs may come from files)."""
+    def cell(c: Cell) -> Cell:
+        return replace(c, text=None if c.text is None else printable(c.text), footnote=printable(c.footnote))
+
+    return replace(t, title=printable(t.title), caption=printable(t.caption),
+                   stub_heads=[printable(h) for h in t.stub_heads], heads=[printable(h) for h in t.heads],
+                   groups=[(printable(g), n) for g, n in t.groups], notes=[printable(n) for n in t.notes],
+                   rows=[replace(r, stub=[printable(s) for s in r.stub], cells=[cell(c) for c in r.cells])
+                         for r in t.rows])
 
 
 def _diff(c: Cell) -> str:
@@ -113,6 +135,7 @@ def heading(t: Table) -> str:
 
 
 def render_markdown(t: Table) -> str:
+    t = _printable_table(t)
     if t.groups:
         heads, k = [], 0
         for g, span in t.groups:
@@ -136,6 +159,7 @@ def render_markdown(t: Table) -> str:
 
 def render_latex(t: Table) -> str:
     """One booktabs `table` a paper can paste (needs booktabs and xcolor[table])."""
+    t = _printable_table(t)
     ns, nd = len(t.stub_heads), len(t.heads)
     out = ["\\begin{table}[t]", "\\centering", "\\small"]
     caption = t.caption
@@ -192,14 +216,15 @@ def print_tables(tables, width: int | None = None) -> None:
     from rich.text import Text
 
     console = Console(width=width)
-    for t in tables:
-        rt = RichTable(title=heading(t), title_style="bold", show_lines=False)
+    for t in map(_printable_table, tables):
+        # Text, not str: rich reads a str's [brackets] as markup (a label "[/x]" would raise)
+        rt = RichTable(title=Text(heading(t)), title_style="bold", show_lines=False)
         for h in t.stub_heads:
-            rt.add_column(h)
+            rt.add_column(Text(h))
         k = 0
         for g, span in t.groups or [("", len(t.heads))]:
             for h in t.heads[k : k + span]:
-                rt.add_column(f"{g}\n{h}" if g and span > 1 else (g or h), justify="right")
+                rt.add_column(Text(f"{g}\n{h}" if g and span > 1 else (g or h)), justify="right")
             k += span
         for r in t.rows:
             if r.rule_before:
@@ -220,5 +245,5 @@ def print_tables(tables, width: int | None = None) -> None:
         if t.compare:
             console.print("Each cell: ours (paper, Δ = ours − paper).", style="cyan")
         for n in t.notes:
-            console.print(f"- {n}", soft_wrap=True)
+            console.print(f"- {n}", soft_wrap=True, markup=False)  # a note may name a file: no markup
         console.print()

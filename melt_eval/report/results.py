@@ -112,8 +112,8 @@ def exit_points(rs: ResultSet) -> dict[tuple[str, str], list[ExitPoint]]:
                 continue
             seen.add(rule)
             summary = r.raw.get("loops_per_token") or {}
-            mean = summary.get("mean") if rule else float(loops)
-            if isinstance(mean, (int, float)):
+            mean = summary.get("mean") if rule and isinstance(summary, dict) else None if rule else float(loops)
+            if isinstance(mean, (int, float)) and not isinstance(mean, bool) and math.isfinite(mean) and mean > 0:
                 points.append(ExitPoint(rule, float(mean), r))
         # `ablate exit` names each run by its rule (results/ablations/exit/<model>/<rule>/): the model is the folder
         # (the demo's exit/ouro-tiny/): that name first, over the shorter names of ablation rows sharing the checkpoint
@@ -140,25 +140,28 @@ def _schema():
     """The types docs/CONTRACTS.md "Results files" gives the fields the report reads (pydantic, strict: a
     list where a number belongs is refused, not coerced); other fields pass through. Metric values are
     checked by `_fraction` below (they may be a bare number or {"value", "stderr"})."""
-    from typing import Any, Optional
+    from typing import Annotated, Any, Optional
 
-    from pydantic import BaseModel, ConfigDict, StrictBool, StrictInt, StrictStr
+    from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
 
-    Number = Optional[float]
+    # every number in range, as `run` writes it: NaN, Infinity or a loop count of 0 would reach the claims' figures
+    Number = Optional[Annotated[float, Field(allow_inf_nan=False, ge=0)]]
+    Count = Optional[Annotated[StrictInt, Field(ge=0)]]
+    Positive = Optional[Annotated[StrictInt, Field(ge=1)]]
 
     class Settings(BaseModel):
         model_config = ConfigDict(extra="allow", strict=True)
-        samples: Optional[StrictInt] = None
+        samples: Positive = None
         temperature: Number = None
-        top_p: Number = None
-        max_new_tokens: Optional[StrictInt] = None
-        seed: Optional[StrictInt] = None
+        top_p: Optional[Annotated[float, Field(allow_inf_nan=False, gt=0, le=1)]] = None
+        max_new_tokens: Positive = None
+        seed: Count = None
         backend: Optional[StrictStr] = None
-        loops: Optional[StrictInt] = None
+        loops: Positive = None
         kv_sharing: Optional[StrictStr] = None
         share_prompt: Optional[StrictBool] = None
-        prefill_chunk: Optional[StrictInt] = None
-        max_problems: Optional[StrictInt] = None
+        prefill_chunk: Positive = None
+        max_problems: Count = None
 
     class Results(BaseModel):
         model_config = ConfigDict(extra="allow", strict=True)
@@ -170,15 +173,18 @@ def _schema():
         model_path: Optional[StrictStr] = None
         config_hash: Optional[StrictStr] = None
         wall_time_s: Number = None
-        generated_tokens: Optional[StrictInt] = None
-        peak_cache_bytes: Optional[StrictInt] = None
-        num_problems: Optional[StrictInt] = None
-        segments: Optional[StrictInt] = None
+        generated_tokens: Count = None
+        peak_cache_bytes: Count = None
+        num_problems: Count = None
+        segments: Count = None
+        cache_rows: Count = None
+        analytic_cache_bytes: Count = None
 
     return Results
 
 
 _SCHEMA = []
+RANGE_ERRORS = {"finite_number", "greater_than", "greater_than_equal", "less_than", "less_than_equal"}  # pydantic's
 
 
 def check_schema(raw: dict) -> None:
@@ -192,8 +198,10 @@ def check_schema(raw: dict) -> None:
     except ValidationError as exc:
         first = exc.errors()[0]
         where = ".".join(str(p) for p in first["loc"]) or "the file"
-        got = type(first.get("input")).__name__
-        raise Malformed(f"{where} is a {got}: {first['msg'].lower()}") from None
+        got = first.get("input")
+        # a number out of range is named by its value, a wrong type by its type
+        said = repr(got) if first["type"] in RANGE_ERRORS else f"a {type(got).__name__}"
+        raise Malformed(f"{where} is {said}: {first['msg'].lower()}") from None
 
 
 def _fraction(value, what: str) -> float:
