@@ -53,10 +53,11 @@ def check_pss() -> tuple[int, int, list]:
     parents, cmdlines = {}, {}
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
-            parents[int(pid)] = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
-            cmdlines[int(pid)] = Path(f"/proc/{pid}/cmdline").read_bytes()
+            parent = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
         except (OSError, IndexError, ValueError):
-            continue
+            continue  # exited between the listing and the reads: both or neither are kept
+        parents[int(pid)], cmdlines[int(pid)] = parent, cmdline
     mine = {os.getpid()}
     for _ in range(6):  # launcher, init, program, its children
         mine |= {pid for pid, parent in parents.items() if parent in mine}
@@ -79,13 +80,16 @@ def check_pss() -> tuple[int, int, list]:
 
 
 def measure(limits: SandboxLimits) -> dict:
-    peak, done = [0, 0], threading.Event()
+    peak, done, failed = [0, 0], threading.Event(), []
 
     def watch():
-        while not done.is_set():
-            total, checker, _ = check_pss()
-            peak[0], peak[1] = max(peak[0], total), max(peak[1], checker)
-            time.sleep(0.02)
+        try:
+            while not done.is_set():
+                total, checker, _ = check_pss()
+                peak[0], peak[1] = max(peak[0], total), max(peak[1], checker)
+                time.sleep(0.02)
+        except BaseException as exc:  # noqa: BLE001 - said after the check: a dead sampler measured nothing since
+            failed.append(exc)
 
     watcher = threading.Thread(target=watch)
     watcher.start()
@@ -95,6 +99,8 @@ def measure(limits: SandboxLimits) -> dict:
     finally:
         done.set()
         watcher.join()
+    if failed:
+        raise RuntimeError(f"the memory sampler died ({failed[0]!r}): the peak was not measured") from failed[0]
     return {"peak_mib": peak[0] >> 20, "checker_peak_mib": peak[1] >> 20, "passed": result.passed,
             "memory_bound": result.layers.get("memory_bound"), "wall_s": round(time.monotonic() - start, 2),
             "checker_said": (result.check_output.strip().splitlines() or [""])[-1][:120]}

@@ -570,20 +570,26 @@ def _sampled(bound: str, monkeypatch, run):
         pytest.skip("no memory cgroup the harness can make here")
     if bound != "cgroup":
         monkeypatch.setattr(sandbox, "_new_cgroup", lambda memory_bytes: None)
-    peak, done = [0, []], threading.Event()
+    peak, done, failed = [0, []], threading.Event(), []
 
     def watch():
-        while not done.is_set():
-            peak[:] = max(peak, list(_descendants_pss()))
-            time.sleep(0.02)
+        try:
+            while not done.is_set():
+                peak[:] = max(peak, list(_descendants_pss()))
+                time.sleep(0.02)
+        except BaseException as exc:  # noqa: BLE001 - raised below: a test must not pass on a bound not measured
+            failed.append(exc)
 
     watcher = threading.Thread(target=watch)
     watcher.start()
     try:
-        return run(), peak
+        result = run()
     finally:
         done.set()
         watcher.join()
+    if failed:
+        raise AssertionError(f"the memory sampler died ({failed[0]!r}): the bound was not measured") from failed[0]
+    return result, peak
 
 
 @functools.cache
@@ -595,6 +601,38 @@ def _benchmark(name: str):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def test_the_memory_sampler_skips_a_process_that_exits_and_a_sampler_that_dies_fails(monkeypatch):
+    """Issue 69: a process that exits between /proc's listing and the read of its cmdline is skipped (it was a
+    KeyError that killed the sampler, and the test passed unmeasured); a sampler that dies fails its test."""
+    bench = _benchmark("checker_memory")
+    child = subprocess.Popen(["sleep", "30"])
+    try:
+        real = Path.read_bytes
+
+        def gone(self):  # the child exits after its stat was read
+            if self == Path(f"/proc/{child.pid}/cmdline"):
+                raise FileNotFoundError(self)
+            return real(self)
+
+        monkeypatch.setattr(Path, "read_bytes", gone)
+        total, checker, parts = bench.check_pss()
+        assert child.pid not in [pid for pid, _, _ in parts]
+    finally:
+        child.kill()
+        child.wait()
+    monkeypatch.undo()
+
+    def dies():
+        raise KeyError(12345)
+
+    monkeypatch.setattr(bench, "check_pss", dies)
+    with pytest.raises(AssertionError, match="the memory sampler died"):
+        _sampled("address_space_budget", monkeypatch, lambda: time.sleep(0.1))
+    with pytest.raises(RuntimeError, match="the memory sampler died"):
+        monkeypatch.setattr(bench, "run_check", lambda *args: time.sleep(0.1))
+        bench.measure(SandboxLimits(timeout_s=20))
 
 
 @pytest.mark.parametrize("bound", ["cgroup", "address_space_budget"])
