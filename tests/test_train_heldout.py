@@ -176,3 +176,29 @@ def test_a_task_without_enough_heldout_problems_is_one_line_before_anything_is_w
     out = run_recipe("pretrain-tiny", "tiny-random-ouro", tmp_path / "short", progress=False,
                      overrides={**toy, "max_steps": 1})
     assert json.loads((out / META_FILE).read_text())["status"] == "finished"
+
+
+# --- issue 69 item 1: a `problems` beyond the split is refused before the model loads, never drawn forever ---
+
+TRAIN_ONE_STEP = ["train", "--recipe", "tiny-phase1", "--from", "tiny-random-ouro", "--max-steps", "1", "--no-progress"]
+
+
+@pytest.mark.parametrize("problems, message", [
+    (10**20, "more than a held-out split holds (at most 10000)"),  # drew forever: the hang of issue 69
+    (24, "fewer than 24 problems beside its 100 test problems"),  # tiny-phase1's split holds 23
+], ids=["absurd", "one-too-many"])
+def test_problems_beyond_the_split_are_one_line_before_the_model_loads(tmp_path, capsys, monkeypatch, problems, message):
+    from melt_eval.training import runner
+
+    from helpers import main_exit_code, one_line_error
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("the model was built before the held-out split was checked")
+
+    monkeypatch.setattr(runner, "prepare_training", no_model)
+    out = tmp_path / "run"
+    spec = f"stop_at_heldout={{loops: 4, target: 0.5, every: 1, problems: {problems}}}"
+    code = main_exit_code([*TRAIN_ONE_STEP, "--set", spec, "--output", out])
+    one_line_error(capsys, code, message, "lower stop_at_heldout.problems")
+    assert not (out / "recipe.yaml").exists() and not (out / META_FILE).exists()
+    assert not (out / ".melt-eval.lock").exists()  # the lock is released with the refusal

@@ -22,6 +22,9 @@ from melt_eval.errors import UserError
 KEYS = ("loops", "target", "every", "problems", "samples")
 REQUIRED = ("loops", "target", "every")
 DEFAULTS = {"problems": 20, "samples": 1}
+# More than any synthetic task's test bucket is worth checking against at every check; the split maker gives
+# up only after 50 draws per problem asked, so a bound here is what keeps an absurd value from drawing forever
+MAX_PROBLEMS = 10_000
 # samples > 1 draw as the demo's evaluation does (docs/demo.md), so the check reads the score it predicts
 TEMPERATURE, TOP_P, SEED = 1.0, 0.7, 0
 _BOXED = re.compile(r"\\boxed\{([^{}]*)\}")
@@ -43,6 +46,10 @@ def check_spec(spec, recipe, bad) -> None:
         v = spec.get(key, DEFAULTS.get(key))
         if not (isinstance(v, int) and not isinstance(v, bool) and v >= 1):
             bad(f"stop_at_heldout: {key} must be a whole number >= 1, got {v!r}")
+    problems = spec.get("problems", DEFAULTS["problems"])
+    if problems > MAX_PROBLEMS:
+        bad(f"stop_at_heldout: problems {problems} is more than a held-out split holds (at most {MAX_PROBLEMS}); "
+            "lower stop_at_heldout.problems (e.g. 20), or set stop_at_heldout: null")
     target = spec["target"]
     if not (isinstance(target, (int, float)) and not isinstance(target, bool) and 0 < target <= 1):
         bad(f"stop_at_heldout: target is a pass@1 within (0, 1], got {target!r}")
@@ -86,25 +93,32 @@ def heldout_rows(src: dict, problems: int) -> list[dict]:
     return rows
 
 
-def held_out_check(recipe, tokenizer) -> "HeldoutCheck | None":
-    """The run's check, or None: no stop_at_heldout, or a run that ends before its first check (a short test
-    run of the recipe on another task needs no held-out problems)."""
+def held_out_rows(recipe) -> list[dict] | None:
+    """The run's held-out problems, or None: no stop_at_heldout, or a run that ends before its first check (a
+    short test run of the recipe on another task needs no held-out problems). Drawn before the model loads, so
+    a split too small for `problems` is refused in seconds."""
     spec = recipe.stop_at_heldout
     if not spec or recipe.max_steps < spec["every"]:
         return None
-    return HeldoutCheck(recipe, tokenizer)
+    return heldout_rows(source(recipe.data), {**DEFAULTS, **spec}["problems"])
+
+
+def held_out_check(recipe, tokenizer, rows: list[dict] | None = None) -> "HeldoutCheck | None":
+    """The run's check, or None (see `held_out_rows`); `rows`: those already drawn."""
+    rows = held_out_rows(recipe) if rows is None else rows
+    return None if rows is None else HeldoutCheck(recipe, tokenizer, rows)
 
 
 class HeldoutCheck:
     """The recipe's stopping rule, set up once per run: the held-out prompts, tokenised as evaluation does."""
 
-    def __init__(self, recipe, tokenizer) -> None:
+    def __init__(self, recipe, tokenizer, rows: list[dict] | None = None) -> None:
         from melt_eval import synthetic
 
         spec = {**DEFAULTS, **recipe.stop_at_heldout}
         self.loops, self.target, self.every = spec["loops"], float(spec["target"]), spec["every"]
         self.samples = spec["samples"]
-        self.rows = heldout_rows(source(recipe.data), spec["problems"])
+        self.rows = heldout_rows(source(recipe.data), spec["problems"]) if rows is None else rows
         self.eos = tokenizer.eos_token_id
         chat = lambda messages, **kw: tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True, **kw)["input_ids"]
         self.prompts = [chat([{"role": "user", "content": synthetic.user_prompt(r["problem"])}], add_generation_prompt=True)

@@ -39,7 +39,7 @@ from melt_eval.training.build import param_groups, prepare_training
 from melt_eval.training.checkpoints import load_checkpoint, write_checkpoint
 from melt_eval.training.config import Recipe
 from melt_eval.training.launch import accelerator_kwargs, announce_layout, check_fsdp, on_main
-from melt_eval.training.heldout import HeldoutCheck, held_out_check
+from melt_eval.training.heldout import HeldoutCheck, held_out_check, held_out_rows
 from melt_eval.training.metrics import Logger, progress_bar, read_metrics, status, trackers
 from melt_eval.training.runs import FINISHED, run_state
 from melt_eval.training.run_files import META_FILE, export, prepare_output, run_meta, write_run_start
@@ -88,6 +88,7 @@ def _train(recipe: Recipe, output: Path, *, resume: bool, progress: bool, stop_a
     from accelerate.utils import set_seed
 
     recipe, candidates, notes = on_main(PartialState(), prepare_output, output, recipe, resume)  # rank 0 checks, once
+    rows = held_out_rows(recipe)  # before the model loads: a split too small for the check is one line, in seconds
     mp = recipe.mixed_precision
     if mp == "auto":
         mp = "bf16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "no"
@@ -99,7 +100,7 @@ def _train(recipe: Recipe, output: Path, *, resume: bool, progress: bool, stop_a
         accelerator.print(f"note: {note}")
 
     trainee, tokenizer, info = prepare_training(accelerator, recipe, mp)
-    heldout = held_out_check(recipe, tokenizer)  # before the run's files: a task too small for it is one line, nothing written
+    heldout = held_out_check(recipe, tokenizer, rows)
     start_step, tokens_seen, last_good = 0, 0, None
     if resume:
         start_step, tokens_seen, last_good = load_checkpoint(accelerator, trainee.stream, output, candidates, recipe,
