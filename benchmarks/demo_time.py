@@ -33,6 +33,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 LABELS = {"current-first": ("current", "ref"), "ref-first": ("ref", "current")}
 MAX_SEED = 2**32 - 1  # the demo's seeds are numpy's
+# a record's wall_s is rounded to 0.1 s; a denormal or a huge time would make the ratio 0 or inf
+MIN_WALL, MAX_WALL = 0.1, 1e7
 
 
 class Refused(Exception):
@@ -92,14 +94,21 @@ def load_record(saved: Path, label: str, commit: str, seed: int, quick: bool) ->
     except (OSError, UnicodeDecodeError, ValueError) as e:
         raise Refused(f"{saved} is not a readable record ({type(e).__name__}); {again}") from None
     wall = record.get("wall_s") if isinstance(record, dict) else None
-    if not isinstance(wall, (int, float)) or isinstance(wall, bool) or not math.isfinite(wall) or wall <= 0:
-        raise Refused(f"{saved} holds no wall time in seconds above 0 (wall_s {wall!r}); {again}")
-    if (record.get("seed"), record.get("quick")) != (seed, quick):
-        raise Refused(f"{saved} timed another demo (seed {record.get('seed')}, quick {record.get('quick')}); "
+    if not _seconds(wall):
+        raise Refused(f"{saved} holds no wall time in seconds from {MIN_WALL} to {MAX_WALL:g} (wall_s {wall!r}); {again}")
+    # exact types: true == 1 and 1.0 == 1 would pass a record of another demo
+    if type(record.get("seed")) is not int or type(record.get("quick")) is not bool or \
+            (record["seed"], record["quick"]) != (seed, quick):
+        raise Refused(f"{saved} timed another demo (seed {record.get('seed')!r}, quick {record.get('quick')!r}); "
                       "pass another --out")
     if record.get("commit") != commit:
         raise Refused(f"{saved} timed commit {str(record.get('commit'))[:12]}, not {commit[:12]}; {again}")
     return record
+
+
+def _seconds(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) \
+        and MIN_WALL <= value <= MAX_WALL
 
 
 def summarize(records: dict[str, dict], reference_wall: float | None) -> dict:
@@ -132,8 +141,8 @@ def main(argv: list[str] | None = None) -> int:
 def run(a: argparse.Namespace) -> int:
     if not 0 <= a.seed <= MAX_SEED:
         raise Refused(f"--seed is a seed of the demo's, 0 to {MAX_SEED}")
-    if a.reference_wall is not None and not (math.isfinite(a.reference_wall) and a.reference_wall > 0):
-        raise Refused("--reference-wall is a time in seconds, above 0")
+    if a.reference_wall is not None and not _seconds(a.reference_wall):
+        raise Refused(f"--reference-wall is a time in seconds, from {MIN_WALL} to {MAX_WALL:g}")
     if not a.out.strip():  # Path("") is the working directory
         raise Refused("--out is empty; pass a directory for the demos and their records")
     a.out = Path(a.out).resolve()  # the demos run from their checkouts: a relative --out would land inside them
@@ -166,13 +175,13 @@ def run(a: argparse.Namespace) -> int:
                 print(f"[demo-time] {label}: the demo failed (exit {records[label]['returncode']}); "
                       f"see {a.out / (label + '.log')}", file=sys.stderr)
                 return 1
-            saved.write_text(json.dumps(records[label], indent=1) + "\n")
+            saved.write_text(json.dumps(records[label], indent=1, allow_nan=False) + "\n")
             print(f"[demo-time] {label}: {records[label]['wall_s']:.0f} s", flush=True)
     finally:
         if worktree.exists():
             git("worktree", "remove", "--force", str(worktree))
     result = {"order": a.order, "seed": a.seed, "quick": a.quick, "runs": records, **summarize(records, a.reference_wall)}
-    (a.out / "demo_time.json").write_text(json.dumps(result, indent=1) + "\n")
+    (a.out / "demo_time.json").write_text(json.dumps(result, indent=1, allow_nan=False) + "\n")
     line = (f"current {records['current']['wall_s']:.0f} s, ref {records['ref']['wall_s']:.0f} s: "
             f"ratio {result['ratio']:.3f}")
     if "estimate_s" in result:

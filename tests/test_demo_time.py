@@ -61,6 +61,12 @@ def test_a_saved_record_of_another_demo_is_refused_not_mixed_into_the_ratio(tmp_
     assert not (tmp_path / "demo_time.json").exists()
     assert demo_time.main(["--out", str(tmp_path), "--reference-wall", "0"]) == 2
     assert demo_time.main(["--out", str(tmp_path), "--seed", "-1"]) == 2
+    capsys.readouterr()
+    # issue 69: a seed of true is not seed 1, a quick of 0 not false
+    for seed, quick in ((True, False), (1.0, False), (1, 0)):
+        for label in ("current", "ref"):
+            (tmp_path / f"{label}.json").write_text(json.dumps(record(label, 1000.0, seed=seed, quick=quick)))
+        assert "timed another demo" in refused(capsys, "--out", str(tmp_path), "--seed", "1")
 
 
 def test_a_saved_record_of_other_code_or_without_a_usable_time_is_refused_before_any_demo(tmp_path, capsys):
@@ -74,7 +80,9 @@ def test_a_saved_record_of_other_code_or_without_a_usable_time_is_refused_before
     (tmp_path / "current.json").write_text(json.dumps(record("current", 1000.0, commit="a" * 40)))
     assert "timed commit aaaaaaaaaaaa" in refused(capsys, "--out", str(tmp_path))
     for bad in ('{"label": "current"', "[1, 2]", json.dumps(record("current", "abc")), json.dumps(record("current", 0)),
-                json.dumps(record("current", -5.0)), json.dumps(record("current", None))):
+                json.dumps(record("current", -5.0)), json.dumps(record("current", None)),
+                json.dumps(record("current", 5e-324)), json.dumps(record("current", 1e308)),  # ratio inf or 0 (issue 69)
+                json.dumps(record("current", True))):
         (tmp_path / "current.json").write_text(bad)
         assert "delete it to time the current run again" in refused(capsys, "--out", str(tmp_path))
     # ref first: the current run's bad record is refused before the ref demo would start
@@ -86,7 +94,7 @@ def test_a_saved_record_of_other_code_or_without_a_usable_time_is_refused_before
 def test_arguments_no_demo_could_use_are_refused_in_one_line(tmp_path, capsys):
     (tmp_path / "current.json").write_text(json.dumps(record("current", 1000.0)))
     (tmp_path / "ref.json").write_text(json.dumps(record("ref", 1250.0)))
-    for wall in ("nan", "inf", "-inf"):
+    for wall in ("nan", "inf", "-inf", "5e-324", "1e300"):
         assert "--reference-wall" in refused(capsys, "--out", str(tmp_path), f"--reference-wall={wall}")
     assert "0 to 4294967295" in refused(capsys, "--out", str(tmp_path), "--seed", str(2**32))
     assert "--out is empty" in refused(capsys, "--out", "")
