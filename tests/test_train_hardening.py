@@ -329,3 +329,41 @@ def test_a_checkpoint_save_failing_with_enospc_says_no_space_left(tmp_path, monk
     with pytest.raises(UserError, match="no space left on device.*rerun with --resume"):
         write_checkpoint(_OneProcess(), tmp_path / "run", {"step": 3}, 2, None)
     assert os.listdir(tmp_path / "run" / "checkpoints") == []
+
+
+# --- issue 69 item 2: --no-verify works for --from, and a flag that would do nothing is refused -------------
+
+ONE_SMALL_STEP = ["--max-steps", "1", "--set", "seq_len=64", "--set", "micro_batch_size=2", "--set", "batch_tokens=128",
+                  "--set", "save_every=0", "--set", "tensorboard=false"]
+
+
+def test_train_from_a_harness_model_without_its_sums_needs_no_verify_which_then_loads_it(tmp_path, capsys):
+    import shutil
+
+    from melt_eval.files import TRAINING_META
+    from melt_eval.modeling.loading import resolve_model_dir
+
+    model = tmp_path / "looplm"
+    shutil.copytree(resolve_model_dir("tiny-random-ouro"), model)
+    (model / TRAINING_META).write_text(json.dumps({"status": "finished"}))  # written by the harness, no SHA256SUMS
+    train = ["train", "--recipe", "tiny-phase1", "--from", model, "--no-progress", *ONE_SMALL_STEP]
+    code = _main([*train, "--output", tmp_path / "checked"])
+    _one_line_error(capsys, code, SUMS_FILE, "--no-verify")
+    assert not (tmp_path / "checked" / "recipe.yaml").exists()
+    assert _main([*train, "--output", tmp_path / "unchecked", "--no-verify"]) == 0
+    meta = json.loads((tmp_path / "unchecked" / TRAINING_META).read_text())
+    assert meta["status"] == "finished" and meta["from_path"] == str(model)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--no-verify"], "this run loads none"),  # a registry model and no --resume: nothing to check
+    (["--hub-model-id", "me/x"], "add --push-to-hub, or drop --hub-model-id"),
+    (["--recipe", "pretrain-tiny", "--phase", "1"], "target looplm: drop --phase"),
+    (["--recipe", "tiny-exit-gate", "--from", "tiny-random-melt", "--gate", "elementwise"], "converts nothing"),
+    (["--recipe", "tiny-phase2", "--from", "tiny-random-melt", "--gate", "scalar"], "already a MELT checkpoint"),
+], ids=["no-verify", "hub-model-id", "phase", "gate-exit-gate", "gate-melt"])
+def test_a_train_flag_that_would_do_nothing_is_one_line(tmp_path, capsys, flags, message):
+    out = tmp_path / "train"
+    code = _main([*TRAIN, "--output", out, *flags])  # later --recipe/--from win over TRAIN's
+    _one_line_error(capsys, code, message)
+    assert not out.exists()

@@ -50,19 +50,20 @@ def recorded_teacher(model_dir: Path) -> str | None:
     return meta.get("teacher") if isinstance(meta, dict) else None
 
 
-def build_models(recipe: Recipe):
-    """(student, teacher or None, tokenizer, provenance dict) for the recipe."""
+def build_models(recipe: Recipe, verify: bool = True):
+    """(student, teacher or None, tokenizer, provenance dict) for the recipe. verify: check checkpoint
+    directories (--from, the teacher) against their SHA256SUMS (False: `train --no-verify`)."""
     from melt_eval.modeling import LoopLMConfig, LoopLMForCausalLM, MeltForCausalLM, load_model
     from melt_eval.modeling.loading import checkpoint_model_type, load_tokenizer, resolve_model_dir
 
     if not recipe.from_model:
         raise UserError("no starting model: pass --from MODEL (a registry name or checkpoint directory)")
-    from_dir = resolve_model_dir(recipe.from_model)
+    from_dir = resolve_model_dir(recipe.from_model, verify=verify)
     info = {"from_model": recipe.from_model, "from_path": str(from_dir)}
     kind = checkpoint_model_type(from_dir)
 
     if recipe.target == "exit_gate":
-        return _gate_model(recipe, from_dir, kind, info)
+        return _gate_model(recipe, from_dir, kind, info, verify)
     if recipe.target == "looplm":
         if kind != "ouro":
             raise UserError(f"target looplm trains an Ouro-style LoopLM; {recipe.from_model} is {kind!r}")
@@ -78,12 +79,12 @@ def build_models(recipe: Recipe):
         else:
             if recipe.model_overrides:
                 raise UserError("model_overrides only apply with from_scratch: true")
-            student, tokenizer = load_model(from_dir)
+            student, tokenizer = load_model(from_dir, verify=verify)
         return student, None, tokenizer, info
 
     if recipe.from_scratch or recipe.model_overrides:
         raise UserError("from_scratch/model_overrides are for target looplm; MELT starts from a trained model")
-    model, tokenizer = load_model(from_dir)
+    model, tokenizer = load_model(from_dir, verify=verify)
     teacher = None
     teacher_ref = recipe.teacher
     if isinstance(model, MeltForCausalLM):
@@ -107,10 +108,10 @@ def build_models(recipe: Recipe):
             # until its first update, at alpha = 0, the student computes its teacher's function (unpooled heads)
             info["student_is_teacher"] = student.config.num_key_value_heads == model.config.num_key_value_heads
     if recipe.needs_teacher() and teacher is None:
-        teacher_dir = resolve_model_dir(teacher_ref)
+        teacher_dir = resolve_model_dir(teacher_ref, verify=verify)
         if checkpoint_model_type(teacher_dir) != "ouro":
             raise UserError(f"the teacher must be a LoopLM (Ouro) checkpoint; {teacher_ref} is {checkpoint_model_type(teacher_dir)!r}")
-        teacher, _ = load_model(teacher_dir)
+        teacher, _ = load_model(teacher_dir, verify=verify)
         info["teacher_path"] = str(teacher_dir)
     # a checkpoint directory is recorded absolute: a run continued from elsewhere (phase 2, exit-aware training of
     # the demo's relative demo/runs/...) finds the same teacher; registry names and Hub ids stay as given
@@ -123,7 +124,7 @@ def build_models(recipe: Recipe):
     return student, teacher, tokenizer, info
 
 
-def _gate_model(recipe: Recipe, from_dir: Path, kind: str, info: dict):
+def _gate_model(recipe: Recipe, from_dir: Path, kind: str, info: dict, verify: bool = True):
     """target exit_gate: the checkpoint as it is, whichever looped kind; no teacher. The record keeps the
     checkpoint's own recipe (`model_recipe`: `run` reads its prompt chunk there) and teacher (a later phase 2)."""
     from melt_eval.modeling import load_model
@@ -131,7 +132,7 @@ def _gate_model(recipe: Recipe, from_dir: Path, kind: str, info: dict):
     if kind not in ("ouro", "melt"):
         raise UserError(f"target exit_gate fits the early-exit gate of a looped model (Ouro or MELT); "
                         f"{recipe.from_model} is {kind!r}")
-    model, tokenizer = load_model(from_dir)
+    model, tokenizer = load_model(from_dir, verify=verify)
     meta = read_meta(from_dir)
     meta = meta if isinstance(meta, dict) else {}
     info.update(teacher=meta.get("teacher"), teacher_path=meta.get("teacher_path"),
@@ -221,8 +222,9 @@ def prepare_student(student, recipe: Recipe, one_process: bool = True) -> int:
     per_token = recipe.compile is True and recipe.target == "melt" and recipe.chunk_size == 1
     if recipe.compile == "captured":
         if not one_process:
-            raise UserError("compile: captured adds the weights' gradients into .grad itself, which DDP and FSDP "
-                            "cannot reduce: set compile: true to compile a launch of several processes")
+            from melt_eval.training.launch import CAPTURED_WITH_SEVERAL
+
+            raise UserError(CAPTURED_WITH_SEVERAL)
         student.model.compile_captured_step()
     elif per_token:  # one compiled function per token: every token has the same shapes
         student.model.compile_token_step()
@@ -232,10 +234,10 @@ def prepare_student(student, recipe: Recipe, one_process: bool = True) -> int:
     return recipe.chunk_size if recipe.compile and recipe.chunk_size and not per_token else 1
 
 
-def prepare_training(accelerator, recipe: Recipe, mixed_precision: str) -> tuple[Trainee, object, dict]:
+def prepare_training(accelerator, recipe: Recipe, mixed_precision: str, verify: bool = True) -> tuple[Trainee, object, dict]:
     """(what each step works on, the tokenizer, build_models' provenance) on this process."""
     with accelerator.main_process_first():  # rank 0 builds a registry model the first time; the others then read it
-        student, teacher, tokenizer, info = build_models(recipe)
+        student, teacher, tokenizer, info = build_models(recipe, verify)
     loops = student.config.total_ut_steps
     if recipe.loop_ce_weights and len(recipe.loop_ce_weights) != loops:
         raise UserError(f"loop_ce_weights has {len(recipe.loop_ce_weights)} weights; {recipe.from_model} runs "

@@ -53,8 +53,9 @@ __all__ = ["META_FILE", "NonFiniteLoss", "forward_objective", "lr_factor", "para
 def train(recipe: Recipe, output: str | Path, *, resume: bool = False, progress: bool = True, stop_after: int | None = None,
           label: str | None = None, push_to_hub: bool = False, hub_model_id: str | None = None,
           verify: bool = True) -> Path:
-    """Run a recipe; returns the output directory (the final model is written there). `verify`: --resume
-    checks a checkpoint's SHA-256 sums and refuses one without them (False: `--no-verify`).
+    """Run a recipe; returns the output directory (the final model is written there). `verify`: check --from's
+    and the teacher's directories against their SHA256SUMS, and --resume's checkpoint against the sums in its
+    trainer_state.json, refusing one without them (False: `--no-verify` loads them unchecked).
 
     The output directory is locked for the run (melt_eval.files.DirLock): a second `train` into it
     is refused with the PID of the first. stop_after: stop (with a resumable checkpoint) once this
@@ -99,7 +100,7 @@ def _train(recipe: Recipe, output: Path, *, resume: bool, progress: bool, stop_a
     for note in notes:
         accelerator.print(f"note: {note}")
 
-    trainee, tokenizer, info = prepare_training(accelerator, recipe, mp)
+    trainee, tokenizer, info = prepare_training(accelerator, recipe, mp, verify)
     heldout = held_out_check(recipe, tokenizer, rows)
     start_step, tokens_seen, last_good = 0, 0, None
     if resume:
