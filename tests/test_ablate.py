@@ -229,3 +229,19 @@ def test_final_gate_means_reads_the_last_logged_gate(tmp_path):
     assert final_gate_means(tmp_path) == [0.3, 0.45]
     (tmp_path / "logs" / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 2.0}) + "\n")
     assert final_gate_means(tmp_path) is None  # a LoopLM run
+
+
+def test_the_demos_compile_leaves_the_runs_that_cannot_compile_eager_and_says_so():
+    """Issue 69 item 3: `demo --compile` reaches the exit chain's runs (exit-aware training at chunk 1, a gate fit),
+    which never compiled: they drop compile (not part of a run's id), as the recipe check would refuse it."""
+    from melt_eval.protocol import variants as definitions
+
+    chain = ablations.chained_runs(definitions.variant("exit", "exit-aware-full"), "tiny", "tiny-random-melt",
+                                   {"max_steps": 3, "compile": True})
+    assert [r.recipe for r in chain] == ["tiny-exit-aware", "tiny-exit-gate"]
+    assert all("compile" not in r.overrides and r.overrides["max_steps"] == 3 for r in chain)
+    eager = ablations.chained_runs(definitions.variant("exit", "exit-aware-full"), "tiny", "tiny-random-melt",
+                                   {"max_steps": 3})
+    assert [r.run_id for r in chain] == [r.run_id for r in eager]
+    phase1 = ablations.plan("components", "tiny", "tiny-random-ouro", {"compile": True})[0].train[0]
+    assert phase1.overrides["compile"] is True  # a run that compiles keeps it

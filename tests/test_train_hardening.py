@@ -367,3 +367,34 @@ def test_a_train_flag_that_would_do_nothing_is_one_line(tmp_path, capsys, flags,
     code = _main([*TRAIN, "--output", out, *flags])  # later --recipe/--from win over TRAIN's
     _one_line_error(capsys, code, message)
     assert not out.exists()
+
+
+# --- issue 69 item 3: a recipe key the target or combination would ignore is refused, never recorded ----------
+
+IGNORED_KEYS = [  # (flags, what the one line names)
+    (["--recipe", "tiny-exit-gate", "--from", "tiny-random-melt", "--set", "compile=captured"],
+     "target exit_gate runs the model frozen, which is never compiled"),  # recorded captured, ran eager
+    (["--recipe", "tiny-exit-gate", "--from", "tiny-random-melt", "--set", "compile=true"], "never compiled"),
+    (["--recipe", "tiny-exit-gate", "--from", "tiny-random-melt", "--set", "gradient_checkpointing=true"],
+     "nothing to recompute"),
+    (["--recipe", "tiny-exit-aware", "--from", "tiny-random-melt", "--set", "compile=true"],
+     "compile: true at chunk_size 1"),  # the per-token step does not run with exited entries
+    (["--set", "compile=true", "--set", "gradient_checkpointing=true"], "set compile: captured"),
+    (["--recipe", "pretrain-tiny", "--set", "phase=2"], "target looplm has none: set phase: 1"),
+    (["--recipe", "pretrain-tiny", "--set", "gate=scalar"], "gate set the gate a LoopLM is converted"),
+    (["--recipe", "pretrain-tiny", "--set", "gate_seed=3"], "target looplm converts nothing"),
+    (["--recipe", "tiny-exit-gate", "--from", "tiny-random-melt", "--set", "gate_lr=0.01"], "the exit gate trains at lr"),
+    (["--set", "model_overrides={hidden_size: 8}"], "need target looplm and from_scratch: true"),
+    (["--set", "exit_gate_k=10"], "fits no exit gate"),
+    (["--no-kd", "--set", "ce_weight=0.5"], "set ce_weight: 0"),
+    (["--recipe", "pretrain-tiny", "--teacher", "tiny-random-ouro"], "target looplm trains without a teacher"),
+    (["--recipe", "pretrain-tiny", "--set", "prompt_as_one_chunk=true"], "set prompt_as_one_chunk: false"),
+]
+
+
+@pytest.mark.parametrize("flags, message", IGNORED_KEYS, ids=[" ".join(f[-2:]) for f, _ in IGNORED_KEYS])
+def test_a_recipe_key_the_run_would_ignore_is_one_line_before_anything_is_written(tmp_path, capsys, flags, message):
+    out = tmp_path / "train"
+    code = _main([*TRAIN, "--output", out, *flags])
+    _one_line_error(capsys, code, "invalid recipe", message)
+    assert not out.exists()

@@ -203,6 +203,7 @@ class Recipe:
         check_exit_aware(self, bad)
         if self.phase == 2 and self.interpolation_steps:
             bad("phase 2 continues at alpha = 1: set interpolation_steps: 0")
+        check_unused_keys(self, bad)
         return self
 
     def grad_accum_steps(self, world_size: int = 1) -> int:
@@ -222,6 +223,60 @@ class Recipe:
     def needs_loop_states(self) -> bool:
         """Whether the objective reads every loop's hidden state (all-loop KD, alignment, per-loop CE)."""
         return self.kd or self.align_beta > 0 or bool(self.loop_ce_weights) or self.target == "exit_gate"
+
+
+def compile_unused(recipe: "Recipe", compile=None) -> str | None:
+    """Why `compile` (default: the recipe's) would leave this recipe's training eager, or None where it applies
+    (melt_eval.training.build.prepare_student; modeling/token_step.py `applies`)."""
+    compile = recipe.compile if compile is None else compile
+    if not compile:
+        return None
+    if recipe.target == "exit_gate":
+        return f"target exit_gate runs the model frozen, which is never compiled: set compile: false (got {compile})"
+    if compile is True and recipe.target == "melt" and recipe.chunk_size == 1 and (
+            recipe.gradient_checkpointing or recipe.exit_aware_p > 0):
+        return ("compile: true at chunk_size 1 compiles each token's whole step, which runs neither under "
+                "gradient_checkpointing nor with exit_aware_p > 0, so the run would be eager: set compile: captured "
+                "(one process) or compile: false")
+    return None
+
+
+def check_unused_keys(recipe: "Recipe", bad) -> None:
+    """A key this target or combination would ignore is refused: what a run records is what ran (issue 69).
+    Parameters of a feature another key turns off (kd_beta with kd: false, exit_aware_loops at exit_aware_p 0)
+    are left alone: the record says the feature was off."""
+    if (why := compile_unused(recipe)) is not None:
+        bad(why)
+    target = recipe.target
+    if recipe.gradient_checkpointing and target == "exit_gate":
+        bad("target exit_gate's frozen forward keeps no activations for a backward, so gradient checkpointing has "
+            "nothing to recompute: set gradient_checkpointing: false")
+    if recipe.phase != 1 and target != "melt":
+        bad(f"phase picks MELT's training phase (2 continues a MELT checkpoint); target {target} has none: set phase: 1")
+    defaults = {f.name: f.default for f in dataclasses.fields(Recipe)}
+    if target != "melt":
+        changed = [k for k in ("gate", "ema_decay", "gate_seed") if getattr(recipe, k) != defaults[k]]
+        if changed:
+            bad(f"{', '.join(changed)} set the gate a LoopLM is converted to MELT with; target {target} converts "
+                f"nothing: leave {'it' if len(changed) == 1 else 'them'} at the default")
+        if recipe.gate_lr != defaults["gate_lr"]:
+            where = "the exit gate trains at lr" if target == "exit_gate" else "a LoopLM has none"
+            bad(f"gate_lr is the learning rate of MELT's gates; target {target} trains none ({where}): drop gate_lr")
+    if (recipe.model_overrides or recipe.from_scratch) and not (target == "looplm" and recipe.from_scratch):
+        bad("from_scratch and model_overrides build a new LoopLM: they need target looplm and from_scratch: true "
+            "(MELT and the exit gate start from a trained model)")
+    if target != "exit_gate" and (recipe.exit_gate_k, recipe.exit_gate_gamma) != (defaults["exit_gate_k"],
+                                                                                 defaults["exit_gate_gamma"]):
+        bad(f"exit_gate_k and exit_gate_gamma shape target exit_gate's labels; target {target} fits no exit gate: "
+            f"leave them at {defaults['exit_gate_k']:g} and {defaults['exit_gate_gamma']:g}")
+    if recipe.ce_weight and not recipe.kd:
+        bad("ce_weight adds cross-entropy to the KD loss; with kd: false the loss is the cross-entropy alone: "
+            "set ce_weight: 0")
+    if target == "looplm" and recipe.teacher is not None:
+        bad("target looplm trains without a teacher: drop --teacher (teacher: null)")
+    if target == "looplm" and recipe.prompt_as_one_chunk:
+        bad("prompt_as_one_chunk sets MELT's chunks; a LoopLM's per-loop cache trains every token in one pass: "
+            "set prompt_as_one_chunk: false")
 
 
 def check_exit_aware(recipe: "Recipe", bad) -> None:
