@@ -1,0 +1,158 @@
+"""The float path (melt_eval/float_path.py, docs/reproducibility.md): a seed gives the same bits in processes that
+see different machines (vector width, core count), the bits are the published ones, and where a process cannot
+give them it says so first."""
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from melt_eval import float_path
+
+from helpers import main_exit_code
+
+# `melt-eval train --recipe tiny-phase1 --from tiny-random-ouro --max-steps 4`'s model.safetensors and
+# `melt-eval run synthetic --model tiny-random-melt --limit 4 --samples 4 --max-new-tokens 24`'s completions.jsonl,
+# as the pinned float path computes them (docs/reproducibility.md#what-is-checked). Any x86-64 CPU with AVX2 must
+# compute these bytes; a machine that does not has found a kernel the pin does not cover.
+PUBLISHED_TRAINED_SHA256 = "d2a83d068ad08c9d06d97eb366f8c0403d4558991c3e49927a247c69002279a2"
+PUBLISHED_COMPLETIONS_SHA256 = "283f0dddf965e8bb51aa123806a1d89932b90026270bbf39194d5a1ca09355c9"
+
+PIN_VARIABLES = (*float_path.PINNED, float_path.THREADS_VARIABLE, float_path.SWITCH, "ONEDNN_MAX_CPU_ISA")
+
+
+def _cores() -> list[int]:
+    return sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+
+
+def machines() -> dict[str, tuple[list[str], dict]]:
+    """Processes that see different machines: (command prefix, environment variables set by the 'user')."""
+    cores = _cores()
+    avx2_only = {"ATEN_CPU_CAPABILITY": "avx2", "MKL_CBWR": "AVX2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
+    seen = {"native": ([], {}), "avx2-only CPU (ATen, MKL, oneDNN capped)": ([], avx2_only),
+            "one core": (["taskset", "-c", str(cores[0])], {})}
+    if len(cores) >= 2:
+        seen["two cores"] = (["taskset", "-c", f"{cores[0]},{cores[1]}"], {})
+    return seen
+
+
+def run_as(machine: tuple[list[str], dict], *args: str) -> subprocess.CompletedProcess:
+    prefix, extra = machine
+    env = {k: v for k, v in os.environ.items() if k not in PIN_VARIABLES}  # what a user's shell would hold
+    env.update(extra)
+    return subprocess.run([*prefix, sys.executable, "-m", "melt_eval.cli", *args], env=env, capture_output=True,
+                          text=True, timeout=900)
+
+
+def sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+@pytest.fixture(scope="module")
+def taskset():
+    if subprocess.run(["taskset", "-c", str(_cores()[0]), "true"], capture_output=True).returncode != 0:
+        pytest.skip("taskset is not available")
+
+
+def test_four_training_steps_give_the_published_bytes_on_every_machine(tmp_path, taskset):
+    digests = {}
+    for name, machine in machines().items():
+        out = tmp_path / name.replace(" ", "-")
+        done = run_as(machine, "train", "--recipe", "tiny-phase1", "--from", "tiny-random-ouro", "--max-steps", "4",
+                      "--no-progress", "--output", str(out))
+        assert done.returncode == 0, done.stderr[-2000:]
+        assert "note:" not in done.stderr, done.stderr  # every one of them can give the published bits
+        digests[name] = sha256(out / "model.safetensors")
+        recorded = json.loads((out / "melt_eval_training.json").read_text())["float_path"]
+        assert (recorded["kernels"], recorded["mkl_cbwr"], recorded["threads"]) == ("AVX2", "AVX2", float_path.THREADS)
+    assert len(set(digests.values())) == 1, digests
+    assert next(iter(digests.values())) == PUBLISHED_TRAINED_SHA256, digests
+
+
+def test_a_short_evaluation_writes_the_published_completions_on_every_machine(tmp_path, taskset):
+    digests = {}
+    for name, machine in machines().items():
+        out = tmp_path / name.replace(" ", "-")
+        done = run_as(machine, "run", "synthetic", "--model", "tiny-random-melt", "--limit", "4", "--samples", "4",
+                      "--max-new-tokens", "24", "--output-dir", str(out))
+        assert done.returncode == 0, done.stderr[-2000:]
+        digests[name] = sha256(out / "tiny-random-melt" / "synthetic" / "completions.jsonl")
+    assert len(set(digests.values())) == 1, digests
+    assert next(iter(digests.values())) == PUBLISHED_COMPLETIONS_SHA256, digests
+
+
+def test_the_thread_count_is_pinned_whatever_the_cores(taskset):
+    """Without the pin a process on one core computes with one thread and one on two cores with two, and those
+    round differently (the measurement behind the pin: docs/reproducibility.md); with it both take THREADS."""
+    probe = ("import torch, json, os; from melt_eval import float_path; "
+             "print(json.dumps(float_path.describe()))")
+    for machine in machines().values():
+        prefix, extra = machine
+        env = {k: v for k, v in os.environ.items() if k not in PIN_VARIABLES}
+        env.update(extra)
+        # the CLI module pins on import, as every command's process does
+        code = "import melt_eval.cli; " + probe
+        seen = json.loads(subprocess.run([*prefix, sys.executable, "-c", code], env=env, capture_output=True,
+                                         text=True, check=True).stdout)
+        assert (seen["threads"], seen["kernels"], seen["mkl_cbwr"]) == (float_path.THREADS, "AVX2", "AVX2"), seen
+
+
+def test_a_users_own_setting_wins_and_the_switch_turns_the_pin_off(monkeypatch):
+    for name in PIN_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("OMP_NUM_THREADS", "7")
+    float_path.pin()
+    assert os.environ["OMP_NUM_THREADS"] == "7" and os.environ["ATEN_CPU_CAPABILITY"] == "avx2"
+    assert "OMP_NUM_THREADS=7 overrides the pinned float path" in float_path.notice()
+
+    for name in PIN_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv(float_path.SWITCH, "native")
+    float_path.pin()
+    assert not any(name in os.environ for name in (*float_path.PINNED, float_path.THREADS_VARIABLE))
+    assert "not pinned (MELT_EVAL_FLOAT_PATH=native)" in float_path.notice()
+
+
+def test_a_machine_that_cannot_give_the_published_bits_says_so_first_and_runs(tmp_path, capsys, monkeypatch):
+    for name in PIN_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    float_path.pin()
+    monkeypatch.setattr(float_path, "cpu_flags", lambda: {"sse2", "avx"})  # a CPU without AVX2
+    code = main_exit_code(["score", "synthetic", "--completions", str(tmp_path / "none.jsonl")])
+    err = capsys.readouterr().err.splitlines()
+    assert err[0].startswith("note: this CPU lacks AVX2 and FMA") and "need not match the published ones" in err[0]
+    assert code == 2  # the command itself went on (and refused the missing file, as it would anyway)
+
+    monkeypatch.setattr(float_path, "cpu_flags", lambda: {"avx2", "fma"})
+    monkeypatch.setattr(float_path.platform, "machine", lambda: "aarch64")
+    assert "aarch64 machine" in float_path.notice()
+    monkeypatch.setattr(float_path.platform, "machine", lambda: "x86_64")
+    monkeypatch.setattr(float_path, "_torch_version", lambda: "2.14.1+cu130")
+    assert "torch 2.14.1+cu130" in float_path.notice()
+
+
+def test_phase_1s_first_step_changes_no_weight(tmp_path):
+    """At alpha = 0 the student is its teacher: the step's exact loss is 0, and no weight moves (before, AdamW
+    turned the rounding of a -1e-9 loss into a learning-rate step in every weight)."""
+    from safetensors.torch import load_file
+
+    from melt_eval.modeling.loading import resolve_model_dir
+
+    assert main_exit_code(["train", "--recipe", "tiny-phase1", "--from", "tiny-random-ouro", "--max-steps", "1",
+                           "--no-progress", "--output", str(tmp_path / "one")]) == 0
+    trained = load_file(tmp_path / "one" / "model.safetensors")
+    source = load_file(resolve_model_dir("tiny-random-ouro") / "model.safetensors")
+    shared = [k for k in source if k in trained]
+    assert len(shared) > 10 and all(torch_equal(source[k], trained[k]) for k in shared)
+    row = json.loads((tmp_path / "one" / "logs" / "metrics.jsonl").read_text().splitlines()[0])
+    assert (row["loss"], row["kd"], row["alpha"], row["grad_norm"]) == (0.0, 0.0, 0.0, 0.0)
+
+
+def torch_equal(a, b) -> bool:
+    import torch
+
+    return torch.equal(a, b)
