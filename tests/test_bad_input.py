@@ -309,3 +309,90 @@ def test_ablate_refuses_a_zero_it_would_have_read_as_not_given(tmp_path, capsys,
     err = " ".join(err.replace("│", " ").split())  # typer's own refusal, in a box that may wrap its line
     assert code == 2 and flag in err and "greater than or equal to 1" in err, err
     assert not (tmp_path / "runs").exists() and not (tmp_path / "out").exists()
+
+
+# --- issue 69 item 9: what the flags and config.json can tell is refused before any weight (or torch) loads ----
+
+LIGHT_REFUSALS = [  # run options on tiny-random-melt -> what the one line names
+    (["--exit", "bogus"], "--exit must be gate:Q"),
+    (["--name", "../x"], "must be a plain directory name"),
+    (["--cross-loop-kv"], "--cross-loop-kv compresses Ouro's per-loop cache"),  # MELT's cache is shared
+    (["--kv-sharing", "last"], "MELT always shares its KV cache"),
+]
+
+
+@pytest.mark.parametrize("args, message", LIGHT_REFUSALS, ids=[a[0] for a, _ in LIGHT_REFUSALS])
+def test_run_refuses_what_the_flags_and_the_registry_say_before_torch_loads(tmp_path, args, message):
+    import subprocess
+    import sys
+
+    out = tmp_path / "out"
+    argv = ["run", "synthetic", "--model", "tiny-random-melt", "--output", str(out), *TINY_RUN, *args]
+    code = ("import sys\nfrom melt_eval.cli import main\n"
+            f"sys.argv = ['melt-eval', *{argv!r}]\n"
+            "try:\n    main()\nexcept SystemExit as exc:\n    code = exc.code\n"
+            "print(code, sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers', 'lighteval')))\n")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert run.stdout.strip() == "2 []", run.stdout + run.stderr[-2000:]  # refused before the 10-20 s of imports
+    err = run.stderr.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and message in err[0], run.stderr
+    assert not out.exists()
+
+
+def _tiny_dir(tmp_path, name: str, **config) -> str:
+    from melt_eval.modeling.loading import resolve_model_dir
+
+    model = tmp_path / name
+    shutil.copytree(resolve_model_dir(name), model)
+    fields = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**fields, **config}))
+    return str(model)
+
+
+def test_a_checkpoint_directorys_config_answers_for_its_cache_before_it_loads(tmp_path, capsys, monkeypatch):
+    from melt_eval import modeling
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("the model was loaded before its options were checked against its config")
+
+    monkeypatch.setattr(modeling, "load_model", no_load)
+    ouro = _tiny_dir(tmp_path, "tiny-random-ouro")
+    code = _main(["run", "synthetic", "--model", ouro, "--kv-sharing", "last", "--share-prompt", "--cross-loop-kv",
+                  "--output", tmp_path / "out", *TINY_RUN])
+    _one_line_error(capsys, code, "--cross-loop-kv compresses Ouro's per-loop cache")
+    code = _main(["run", "synthetic", "--model", ouro, "--loops", "1", "--cross-loop-kv", "--output", tmp_path / "out",
+                  *TINY_RUN])
+    _one_line_error(capsys, code, "loops >= 2")
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_config_too_large_for_this_machine_is_one_line_before_any_weight_is_allocated(tmp_path, capsys):
+    huge = _tiny_dir(tmp_path, "tiny-random-ouro", hidden_size=10**9)  # weights of 2 TB and more
+    fragments = ("describes a model of at least", "more than this machine's", "check hidden_size")
+    code = _main(["run", "synthetic", "--model", huge, "--output", tmp_path / "out", *TINY_RUN])
+    _one_line_error(capsys, code, "config.json", *fragments)
+    assert not (tmp_path / "out").exists()
+    code = _main(["train", "--recipe", "tiny-phase1", "--from", huge, "--output", tmp_path / "t", "--no-progress"])
+    _one_line_error(capsys, code, *fragments)
+    code = _main(["train", "--recipe", "pretrain-tiny", "--from", "tiny-random-ouro", "--output", tmp_path / "p",
+                  "--no-progress", "--set", "model_overrides={hidden_size: 1000000000}"])
+    _one_line_error(capsys, code, "with model_overrides", *fragments)
+    assert not any((tmp_path / d / "recipe.yaml").exists() for d in ("t", "p"))
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--recipe", "tiny-phase2", "--from", "tiny-random-ouro"], "is a LoopLM (run phase 1 first)"),
+    (["--recipe", "tiny-phase2", "--from", "tiny-random-melt", "--teacher", "tiny-random-ouro", "--set", "kv_heads=1"],
+     "MELT checkpoint with 2 key/value"),
+    (["--recipe", "tiny-phase2", "--from", "tiny-random-melt"], "no recorded teacher"),
+], ids=["phase2-from-looplm", "kv-heads-of-a-melt", "no-teacher"])
+def test_train_refuses_what_the_starting_models_config_says_before_it_loads(tmp_path, capsys, monkeypatch, args, message):
+    from melt_eval import modeling
+
+    def no_load(*a, **k):
+        raise AssertionError("the model was loaded before its config was checked")
+
+    monkeypatch.setattr(modeling, "load_model", no_load)
+    code = _main(["train", *args, "--output", tmp_path / "t", "--no-progress"])
+    _one_line_error(capsys, code, message)
+    assert not (tmp_path / "t" / "recipe.yaml").exists()

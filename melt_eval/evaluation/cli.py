@@ -163,19 +163,26 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Evaluate a model with LightEval and the paper's protocol; resumable."""
         from melt_eval.errors import UserError
-        from melt_eval.evaluation import BackendSettings, RunPaths, run_tasks
-        from melt_eval.generation.options import InferenceOptions, Sampling
+        from melt_eval.evaluation.paths import check_name
+        from melt_eval.generation.options import InferenceOptions, Sampling, model_facts
 
         for flag, value in (("--api-key", api_key), ("--max-concurrency", max_concurrency)):
             if value is not None and backend != "endpoint":
                 raise UserError(f"{flag} goes with --backend endpoint; drop it here")
 
+        # before torch, LightEval or any weight loads (they take seconds to minutes): the flags, --name, and the
+        # options against the model's config.json or registry facts, each refused in one line at once
         options = InferenceOptions(
             loops=loops, kv_sharing=kv_sharing, share_prompt=share_prompt, prefill_chunk=prefill_chunk, exit=exit,
             kv_cache_dtype=kv_cache_dtype, cross_loop_kv=cross_loop_kv, cuda_graphs=cuda_graphs,
             sampling=Sampling(samples=samples, temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens,
                               seed=seed),
         )
+        check_name(name)
+        if backend != "endpoint":  # an endpoint's model options are the server's (refused below)
+            options.check_model(model_facts(model), native=backend == "native")
+        from melt_eval.evaluation import BackendSettings, RunPaths, run_tasks
+
         paths = RunPaths(output=output, name=name, data_dir=data_dir)
         settings = BackendSettings(
             kind=backend, max_cache_bytes=max_cache_bytes, api_key=api_key,

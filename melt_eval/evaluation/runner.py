@@ -27,10 +27,11 @@ from melt_eval import float_path
 from melt_eval.errors import SettingsChanged, UserError
 from melt_eval.evaluation import data
 from melt_eval.evaluation.lighteval_model import CompletionStore, HarnessModel, problem_key
+from melt_eval.evaluation.paths import check_name
 from melt_eval.evaluation.tasks import SPECS, TaskSpec, metric_name, task_config
 from melt_eval.files import DirLock, clear_directory, verified_dirs, write_json_atomic, write_text_atomic
 from melt_eval.generation.backends import BackendSettings, ReplayBackend, make_backend
-from melt_eval.generation.options import InferenceOptions, Sampling
+from melt_eval.generation.options import InferenceOptions, Sampling, model_facts
 from melt_eval.jsonio import read_json
 from melt_eval.protocol.tasks import expand
 from melt_eval.provenance import git_state, package_versions
@@ -291,14 +292,8 @@ class LoadedModel:
 
 def _check_paths(paths: RunPaths) -> None:
     """Results stay under --output: a name is one plain directory name, and the roots are directories."""
-    output, results_dir, name = paths.output, paths.results_dir, paths.name
-    if name is not None:
-        if not name.strip() or name.strip() in (".", "..") or any(sep in name for sep in ("/", "\\", "\0")):
-            raise UserError(f"--name {name!r} must be a plain directory name (no '/', '..' or '.'), "
-                            "so that the results stay under --output")
-        if not name.isprintable() or len(name.encode()) > 255:  # a newline splits the table's row; 255: a file name
-            raise UserError(f"--name {name[:40]!r}{'...' if len(name) > 40 else ''} must be printable and at most 255 "
-                            "bytes (one directory name); pass a shorter, plain one")
+    output, results_dir = paths.output, paths.results_dir
+    check_name(paths.name)
     for flag, root in (("--output", output), ("results_dir", results_dir)):
         if root is None:
             continue
@@ -347,6 +342,9 @@ def run_tasks(
     model = ref.text
     data.check_data_dir([SPECS[task] for task in names], paths.data_dir)
     check_backend_settings(options, backend)
+    if backend.kind != "endpoint":  # what the model would refuse once loaded, from its config (no weights read)
+        options.check_model(model_facts(str(ref.path) if ref.path else ref.spec.name if ref.spec else ""),
+                            native=backend.kind == "native")
     _require_sandbox(names, unsafe_local_exec)
     # every task's data next: a missing or bad file fails before any model is loaded
     rows = {task: data.load_rows(SPECS[task], paths.data_dir, max_problems) for task in names}

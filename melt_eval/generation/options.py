@@ -13,7 +13,7 @@ import math
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from melt_eval.cache_layout import check_kv_cache_dtype, check_kv_sharing
+from melt_eval.cache_layout import LOOPED, check_kv_cache_dtype, check_kv_sharing, compressed_layout, layout_of
 from melt_eval.errors import UserError
 from melt_eval.files import TRAINING_META
 
@@ -178,6 +178,58 @@ class InferenceOptions:
         return (self.loops is not None or bool(self.kv_sharing) or self.share_prompt
                 or self.prefill_chunk not in (None, DEFAULT_PREFILL_CHUNK) or self.exit is not None
                 or self.kv_cache_dtype != "auto" or self.cross_loop_kv)
+
+    def check_model(self, config: dict | None, native: bool = True) -> None:
+        """What the loaded model would refuse, checked from its config fields (`model_facts`) before it loads:
+        --loops, --exit and KV sharing on a model that is not looped; on the native engine, the cache these
+        options make (--cross-loop-kv, --kv-cache-dtype, --kv-sharing, --share-prompt: `cache_layout`'s errors)."""
+        if config is None:
+            return
+        if config.get("model_type") not in LOOPED:
+            for flag, given in (("--loops", self.loops is not None), ("--exit", self.exit is not None)):
+                if given:
+                    raise UserError(f"{flag} applies to looped models (Ouro, MELT) only")
+            if self.kv_sharing or self.share_prompt:
+                raise UserError("--kv-sharing and --share-prompt apply to LoopLM (Ouro) models only")
+        if not native:
+            return
+        try:
+            layout = layout_of(config, loops=self.loops, kv_sharing=self.kv_sharing, share_prompt=self.share_prompt)
+            compressed_layout(layout, self.kv_cache_dtype, self.cross_loop_kv)
+        except UserError:
+            raise
+        except (TypeError, ValueError, KeyError, ZeroDivisionError):
+            return  # fields the loaders refuse by name once they read them
+
+
+CONFIG_MAX_BYTES = 16 << 20  # a config.json is kilobytes (melt_eval.modeling.loading reads it whole)
+
+
+def model_facts(model: str) -> dict | None:
+    """The config fields a run's options are checked against, read without loading anything: a checkpoint
+    directory's config.json, or a registry model's facts; None where they are not known so (a Hub id, a
+    config.json that is not a regular file holding a JSON object: the loaders name what is wrong)."""
+    import json
+
+    from melt_eval.registry import MODELS
+
+    path = Path(str(model)).expanduser()
+    if path.is_dir():
+        config_file = path / "config.json"
+        try:  # a regular file only: a FIFO would block the read
+            if not config_file.is_file() or config_file.stat().st_size > CONFIG_MAX_BYTES:
+                return None
+            config = json.loads(config_file.read_text(encoding="utf-8"))
+        except (OSError, ValueError, RecursionError):
+            return None
+        return config if isinstance(config, dict) else None
+    spec = MODELS.get(str(model))
+    if spec is None:
+        return None
+    facts = {"model_type": spec.family, "num_hidden_layers": spec.num_layers, "num_attention_heads": spec.num_heads,
+             "num_key_value_heads": spec.num_kv_heads, "head_dim": spec.head_dim, "hidden_size": spec.hidden_size,
+             "total_ut_steps": spec.loops}
+    return facts if spec.family in LOOPED or None not in facts.values() else {"model_type": spec.family}
 
 
 def trained_prefill_chunk(recipe: dict) -> tuple[int, str] | None:

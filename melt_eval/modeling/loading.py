@@ -251,9 +251,38 @@ def _first_line(exc: BaseException) -> str:
     return text.splitlines()[0] if text else type(exc).__name__
 
 
+def config_parameters(config: dict) -> int:
+    """A lower bound on the parameters a decoder's config describes: the embedding and each layer's attention and
+    MLP matrices (norms, biases, gates and an untied head left out); 0 for fields it does not name."""
+    def num(key: str) -> int:
+        value = config.get(key)
+        return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
+
+    hidden, heads = num("hidden_size"), num("num_attention_heads")
+    kv_heads, head_dim = num("num_key_value_heads") or heads, num("head_dim") or (hidden // heads if heads else 0)
+    attention = hidden * head_dim * 2 * (heads + kv_heads)  # q and o, k and v
+    return num("vocab_size") * hidden + num("num_hidden_layers") * (attention + 2 * hidden * num("intermediate_size"))
+
+
+def check_config_size(where, config: dict, dtype=torch.float32) -> None:
+    """Refuse a config whose weights alone could not fit in this machine's memory, before any is allocated (a
+    hidden_size of 1e9 made transformers print its load report and try a 2 TB allocation)."""
+    from melt_eval.units import format_bytes
+
+    params = config_parameters(config)
+    need = params * torch.empty((), dtype=dtype).element_size()
+    memory = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    if need > memory:
+        raise UserError(f"{where} describes a model of at least {params:,} parameters ({format_bytes(need)} as "
+                        f"{str(dtype).removeprefix('torch.')}), more than this machine's {format_bytes(memory)} of memory; "
+                        "check hidden_size, intermediate_size, num_hidden_layers and vocab_size against the weights")
+
+
 def load_looped(model_dir: Path, dtype=torch.float32, device="cpu"):
     """Load an "ouro" or "melt" checkpoint strictly: every tensor present and used, every shape right."""
-    cls = MeltForCausalLM if checkpoint_model_type(model_dir) == "melt" else LoopLMForCausalLM
+    config = read_config(model_dir)
+    check_config_size(Path(model_dir) / "config.json", config, dtype)
+    cls = MeltForCausalLM if config["model_type"] == "melt" else LoopLMForCausalLM
     if not any(Path(model_dir).glob("*.safetensors")):
         raise UserError(f"{model_dir} has no *.safetensors weights; pass a complete checkpoint directory")
     _check_pairs(model_dir, check_weights(model_dir))
@@ -512,6 +541,7 @@ def load_model(name_or_path: str | Path, dtype=torch.float32, device="cpu", revi
     else:
         from transformers import AutoModelForCausalLM
 
+        check_config_size(Path(model_dir) / "config.json", read_config(model_dir), dtype)
         check_weights(model_dir)
         try:
             with quiet_transformers():

@@ -54,7 +54,8 @@ def build_models(recipe: Recipe, verify: bool = True):
     """(student, teacher or None, tokenizer, provenance dict) for the recipe. verify: check checkpoint
     directories (--from, the teacher) against their SHA256SUMS (False: `train --no-verify`)."""
     from melt_eval.modeling import LoopLMConfig, LoopLMForCausalLM, MeltForCausalLM, load_model
-    from melt_eval.modeling.loading import checkpoint_model_type, load_tokenizer, resolve_model_dir
+    from melt_eval.modeling.loading import (check_config_size, checkpoint_model_type, load_tokenizer, read_config,
+                                            resolve_model_dir)
 
     if not recipe.from_model:
         raise UserError("no starting model: pass --from MODEL (a registry name or checkpoint directory)")
@@ -73,6 +74,7 @@ def build_models(recipe: Recipe, verify: bool = True):
                 if not hasattr(config, key):
                     raise UserError(f"model_overrides: {key!r} is not a LoopLM config field")
                 setattr(config, key, value)
+            check_config_size(f"{recipe.from_model} with model_overrides {recipe.model_overrides}", config.to_dict())
             torch.manual_seed(recipe.seed)
             student = LoopLMForCausalLM(config)
             tokenizer = load_tokenizer(from_dir)
@@ -84,23 +86,26 @@ def build_models(recipe: Recipe, verify: bool = True):
 
     if recipe.from_scratch or recipe.model_overrides:
         raise UserError("from_scratch/model_overrides are for target looplm; MELT starts from a trained model")
+    if kind == "melt":  # what config.json and the run's record say is refused before any weight loads
+        if recipe.teacher is None and recorded_teacher(from_dir) is None and recipe.needs_teacher():
+            raise UserError(f"{recipe.from_model} is a MELT checkpoint with no recorded teacher; pass --teacher <the original LoopLM>")
+        config = read_config(from_dir)
+        heads = config.get("num_key_value_heads") or config.get("num_attention_heads")
+        if recipe.kv_heads is not None and recipe.kv_heads != heads:
+            raise UserError(f"kv_heads: {recipe.kv_heads} pools a LoopLM's heads when converting it (phase 1); "
+                            f"{recipe.from_model} is a MELT checkpoint with {heads} key/value heads")
+    elif recipe.phase == 2:
+        raise UserError(f"phase 2 continues a phase-1 MELT checkpoint; {recipe.from_model} is a LoopLM (run phase 1 first)")
     model, tokenizer = load_model(from_dir, verify=verify)
     teacher = None
     teacher_ref = recipe.teacher
     if isinstance(model, MeltForCausalLM):
         if teacher_ref is None:
             teacher_ref = recorded_teacher(from_dir)
-        if teacher_ref is None and recipe.needs_teacher():
-            raise UserError(f"{recipe.from_model} is a MELT checkpoint with no recorded teacher; pass --teacher <the original LoopLM>")
         student = model
-        if recipe.kv_heads is not None and recipe.kv_heads != model.config.num_key_value_heads:
-            raise UserError(f"kv_heads: {recipe.kv_heads} pools a LoopLM's heads when converting it (phase 1); "
-                            f"{recipe.from_model} is a MELT checkpoint with {model.config.num_key_value_heads} key/value heads")
         if model.config.gate != recipe.gate:
             info["gate_note"] = f"continuing the checkpoint's {model.config.gate!r} gate (recipe gate {recipe.gate!r} ignored)"
     else:
-        if recipe.phase == 2:
-            raise UserError(f"phase 2 continues a phase-1 MELT checkpoint; {recipe.from_model} is a LoopLM (run phase 1 first)")
         student = _convert(model, recipe)
         if teacher_ref is None:
             teacher_ref, teacher = recipe.from_model, model  # the frozen copy of the starting LoopLM
