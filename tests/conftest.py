@@ -24,6 +24,22 @@ from melt_eval import float_path  # noqa: E402  (imports no torch)
 float_path.pin()
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+def pytest_addoption(parser):
+    parser.addoption("--demo-scale", action="store_true",
+                     help="also run the tests that train the full demo's models (tens of minutes on 2 cores)")
+
+
+def pytest_collection_modifyitems(config, items):
+    """`demo_scale` tests reproduce a published figure of the full demo: their time is on a results page, not in
+    the default run (docs/results/2026-12-07-float-path.md); `--demo-scale` runs them."""
+    if config.getoption("--demo-scale"):
+        return
+    skip = pytest.mark.skip(reason="trains the full demo's models: pass --demo-scale")
+    for item in items:
+        if "demo_scale" in item.keywords:
+            item.add_marker(skip)
 SHARED_BENCHMARKS = REPO.parent / "shared" / "benchmarks"
 
 

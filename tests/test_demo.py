@@ -267,7 +267,7 @@ def test_beyond_paper_stage_adds_its_rows_to_a_finished_demo_once(quick_demo, mo
     assert json.loads((quick_demo / "demo.json").read_text())["beyond_paper"]["rows"] == rows
 
 
-@pytest.mark.slow
+@pytest.mark.demo_scale
 def test_full_demo_teacher_lands_off_the_ceiling(tmp_path):
     """The full demo's teacher, trained by its recipe (stopped by its held-out pass@1) and evaluated as the demo
     evaluates it, scores 60-92% pass@1 at T = 4: well above half, so the claims' gaps stand out of the noise, and

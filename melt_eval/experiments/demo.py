@@ -222,6 +222,7 @@ def _run_demo(output: Path, quick: bool, progress: bool, seed: int, threads: int
         "files": [str(f) for f in report["files"]] + [str(output / "report" / f) for f in ("paper_tables.md", "claims.json", "mistakes.json")],
         "previous_runs": _previous_runs(output / "demo.json"),
     }
+    summary["published"] = None if quick else published_match(seed, output / "report" / "claims.json")
     write_json_atomic(output / "demo.json", summary)
     if progress:
         tables = [t for t in report["tables"] if t.key not in ("main", "claims")]
@@ -265,7 +266,31 @@ def _run_demo(output: Path, quick: bool, progress: bool, seed: int, threads: int
                  f"errors, which a rerun at another seed or on another machine's floats could turn: {'; '.join(close)}"
                  if close else ""))
         _echo(f"the same claims across seeds: melt-eval demo --seed N --output DIR, then melt-eval claims {output} DIR ...")
+        if summary["published"] is not None:
+            _echo(summary["published"]["line"])
     return summary
+
+
+PUBLISHED = Path(__file__).with_name("published_demo.json")  # {seed: the published run's claims.json sha256, ...}
+
+
+def published_match(seed: int, claims: Path) -> dict:
+    """Whether this run's report/claims.json is, byte for byte, the one the README publishes for its seed."""
+    import hashlib
+
+    table = json.loads(PUBLISHED.read_text())
+    published = table.get(str(seed))
+    digest = hashlib.sha256(claims.read_bytes()).hexdigest()
+    if published is None:
+        return {"matches": None, "claims_sha256": digest, "line": f"no published numbers for seed {seed} to compare with"
+                + (f" (the README publishes seeds {', '.join(table)})" if table else "")}
+    if digest == published["claims_sha256"]:
+        return {"matches": True, "claims_sha256": digest, "line": f"this run matches the published numbers of seed {seed} "
+                f"bit for bit (report/claims.json sha256 {digest[:16]})"}
+    why = float_path.why_not_published() or ("it ran on the pinned float path, so a kernel the pin does not cover "
+                                            "differs here: please report it with demo.json's float_path")
+    return {"matches": False, "claims_sha256": digest, "line": f"this run does NOT match the published numbers of seed "
+            f"{seed} (report/claims.json sha256 {digest[:16]}, published {published['claims_sha256'][:16]}): {why}"}
 
 
 def _queue(train: list[TrainRun], evaluations: list, runs: Path, results: Path, jobs: int, progress: bool,
