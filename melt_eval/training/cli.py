@@ -42,7 +42,6 @@ def register(app: typer.Typer) -> None:
         with one_line_interrupt(output):
             from melt_eval.errors import UserError
             from melt_eval.training.config import load_recipe, parse_set
-            from melt_eval.training.runner import run_recipe
 
             if recipe is None:
                 recipe = f"paper-phase{phase or 1}"
@@ -64,6 +63,8 @@ def register(app: typer.Typer) -> None:
             if nproc_per_node is not None:
                 launch_workers(ctx, nproc_per_node, resolved, output, resume)
                 return
+            from melt_eval.training.runner import run_recipe  # torch and Accelerate: after every check above
+
             out = run_recipe(resolved, output=output, resume=resume, progress=progress, push_to_hub=push_to_hub,
                              hub_model_id=hub_model_id, verify=verify)
             from accelerate import PartialState
