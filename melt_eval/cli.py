@@ -20,7 +20,12 @@ import sys
 import threading
 
 from melt_eval import compile_cache, float_path, interrupts  # none imports torch
+from melt_eval.training.launch import PINNED_THREADS, peer_refused, worker_refusal  # nor does this
 
+# torchrun's thread rule for `train --nproc-per-node`'s workers (1 unless the user set it) must tell the pin's value
+# from the user's: the pin's is recorded
+if float_path.pinned() and float_path.THREADS_VARIABLE not in os.environ:
+    os.environ[PINNED_THREADS] = str(float_path.THREADS)
 # Before anything loads torch: the kernels, MKL branch and thread count every command computes with, inherited by
 # every process it starts (melt_eval/float_path.py).
 float_path.pin()
@@ -92,15 +97,20 @@ def main() -> None:
         sys.exit(130)
     interrupts.install()
     command = next((a for a in sys.argv[1:] if not a.startswith("-")), None)
-    if command in COMPUTING and os.environ.get("RANK", "0") == "0" and (line := float_path.notice()):  # once per launch
+    launching = any(a.split("=")[0] == "--nproc-per-node" for a in sys.argv[1:])  # its rank 0 says it, as it applies there
+    if (command in COMPUTING and os.environ.get("RANK", "0") == "0" and not launching
+            and (line := float_path.notice())):  # once per launch
         typer.secho(line, fg=typer.colors.YELLOW, err=True)
     try:
         app()
     except UserError as exc:
-        typer.secho(f"error: {exc}", fg=typer.colors.RED, err=True)
+        if not worker_refusal(str(exc)):  # a worker of `train --nproc-per-node`: the launch says it, once
+            typer.secho(f"error: {exc}", fg=typer.colors.RED, err=True)
         sys.exit(2)
     except (KeyboardInterrupt, Exception) as exc:  # while typer builds the commands, or an error after Ctrl-C
         if not interrupts.is_interrupt(exc):
+            if peer_refused():  # a worker whose peer refused and left: the launch says why, once
+                sys.exit(2)
             raise
         lost = "" if isinstance(exc, KeyboardInterrupt) else f" ({type(exc).__name__} on the way out)"
         _say_interrupted(f"stopped at Ctrl-C{lost}")

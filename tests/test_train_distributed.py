@@ -122,6 +122,25 @@ def test_two_processes_give_one_process_result(launched, one_process, name):
     assert json.loads((one_process / name / "melt_eval_training.json").read_text())["layout"]["grad_accum_steps"] == 2
 
 
+def test_the_harness_launch_gives_one_process_result(one_process, tmp_path):
+    """`melt-eval train --nproc-per-node 2` (issue 69 item 4): PyTorch's elastic launcher as torchrun starts it,
+    torchrun's thread rule (a user who set no OMP_NUM_THREADS gets 1 per worker, not the command line's pinned 2),
+    and the one process's losses and gradient norms."""
+    recipe, start, overrides = RUNS["phase1"]
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "MELT_EVAL_PINNED_THREADS")}
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])
+    args = ["train", "--recipe", recipe, "--from", start, "--output", str(tmp_path / "p2"), "--no-progress",
+            "--nproc-per-node", "2", *[a for k, v in overrides.items() for a in ("--set", f"{k}={json.dumps(v)}")]]
+    done = subprocess.run([sys.executable, "-m", "melt_eval.cli", *args], env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr[-3000:]
+    assert done.stdout.count("trained model written to") == 1, done.stdout
+    for a, b in zip(metrics(tmp_path / "p2")[:3], metrics(one_process / "phase1")[:3], strict=True):
+        assert close(a["loss"], b["loss"]) and close(a["grad_norm"], b["grad_norm"]), (a["step"], a, b)
+    meta = json.loads((tmp_path / "p2" / "melt_eval_training.json").read_text())
+    assert meta["layout"]["world_size"] == 2 and meta["float_path"]["threads"] == 1
+
+
 def test_ranks_share_each_step_without_duplicates_or_drops(launched, one_process):
     """Each step's examples on the two ranks are, together, exactly the one process's examples for that step."""
     ranks = [rank_record(launched / "phase1", r)["drawn"] for r in (0, 1)]
@@ -220,7 +239,7 @@ def test_a_launch_that_started_fewer_processes_says_so(tmp_path, capsys, monkeyp
     recipe, start, overrides = RUNS["phase1"]
     run_recipe(recipe, start, tmp_path / "one", progress=False, overrides={**overrides, "max_steps": 1})
     warnings = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning: accelerate launch --cpu")]
-    assert len(warnings) == 1 and "torchrun --nproc_per_node N" in warnings[0], warnings
+    assert len(warnings) == 1 and "melt-eval train --nproc-per-node N" in warnings[0], warnings
     lay = json.loads((tmp_path / "one" / "melt_eval_training.json").read_text())["layout"]
     assert lay["world_size"] == 1 and lay["warnings"] == [warnings[0][len("warning: "):]]
     assert not math.isnan(metrics(tmp_path / "one")[0]["loss"])
@@ -234,5 +253,5 @@ def test_a_launch_asking_for_fsdp_never_falls_back_silently(tmp_path, monkeypatc
     args = ["train", "--recipe", recipe, "--from", start, "--output", str(tmp_path / "fsdp"), "--no-progress"]
     result = CliRunner().invoke(app, args)
     message = str(result.exception)
-    assert "asks for FSDP but Accelerate set up NO here" in message and "torchrun --nproc_per_node N" in message
+    assert "asks for FSDP but Accelerate set up NO here" in message and "melt-eval train --nproc-per-node N" in message
     assert "\n" not in message and not (tmp_path / "fsdp").exists()

@@ -76,7 +76,7 @@ def register(app: typer.Typer) -> None:
 def launch_workers(ctx: typer.Context, nproc: int, recipe, output: Path, resume: bool) -> None:
     """`train --nproc-per-node N`: check, then start the workers with this command's arguments; a worker that
     died without a refusal is one line saying what to run next, with the launch's exit code."""
-    from melt_eval.training.launch import WorkerFailed, preflight, start_workers, worker_args
+    from melt_eval.training.launcher import WorkerFailed, preflight, start_workers, worker_args
 
     preflight(nproc, recipe, output, resume)
     try:

@@ -10,15 +10,26 @@ docs/training.md#several-processes). Three things make N ranks one run:
   a refused run stops on every rank instead of leaving ranks waiting for a peer that exited.
 - The run records its layout (`layout`) and says in one line when it is not what was asked: fewer ranks
   than the launcher was asked for (`launch_problem`), a token batch the layout cannot reach (`batch_note`).
+
+`melt-eval train --nproc-per-node N` is the harness's own launch (launcher.py); its workers hand a refusal over to
+it in a file (`worker_refusal`), so that it is said once.
 """
 
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 from melt_eval.errors import UserError
 
 WORLD_ENV = ("WORLD_SIZE", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE")
+LAUNCH_ERRORS = "MELT_EVAL_LAUNCH_ERRORS"  # set by `train --nproc-per-node` for its workers: where a refusal goes
+# the OMP_NUM_THREADS that melt_eval.cli's pin set (absent where the user set it): torchrun's rule for workers
+PINNED_THREADS = "MELT_EVAL_PINNED_THREADS"
+THREADS = "OMP_NUM_THREADS"
+NPROC_FLAG = "--nproc-per-node"
+CAPTURED_WITH_SEVERAL = ("compile: captured adds the weights' gradients into .grad itself, which DDP and FSDP "
+                         "cannot reduce: set compile: true to compile a launch of several processes")
 
 
 def launched_world() -> int:
@@ -73,7 +84,7 @@ def check_fsdp(state) -> None:
     final = type(state).__name__ == "AcceleratorState"
     if asked and (ran != "FSDP" if final else ran in ("NO", "MULTI_CPU")):
         raise UserError(f"the launch asks for FSDP but Accelerate set up {ran} here (it runs FSDP on GPUs only); "
-                        "on CPUs drop the FSDP config and launch with `torchrun --nproc_per_node N -m melt_eval.cli train ...` "
+                        "on CPUs drop the FSDP config and launch with `melt-eval train --nproc-per-node N ...` "
                         "(docs/training.md#several-processes)")
 
 
@@ -88,7 +99,7 @@ def launch_problem(state) -> str | None:
         # `accelerate launch --cpu --num_processes N` (N > 1) sets MASTER_ADDR but starts one process:
         # Accelerate's CPU launcher starts several only under mpirun (--mpirun_hostfile)
         return ("accelerate launch --cpu started one process, not the --num_processes asked (Accelerate starts several "
-                "CPU processes only under mpirun); run `torchrun --nproc_per_node N -m melt_eval.cli train ...` or "
+                "CPU processes only under mpirun); run `melt-eval train --nproc-per-node N ...` or "
                 "`accelerate launch --multi_gpu --num_processes N -m melt_eval.cli train ...` (docs/training.md#several-processes)")
     return None
 
@@ -157,4 +168,38 @@ def check_resume_world(ckpt, saved: int, world: int, recipe) -> None:
     if saved != world and sequences(saved) != sequences(world):
         raise UserError(f"--resume: {ckpt.name} was written by {saved} process{'es' if saved > 1 else ''} "
                         f"({sequences(saved)} sequences per step) and this run has {world} ({sequences(world)} per step); "
-                        f"resume it with {saved} processes (torchrun --nproc_per_node {saved} ...)")
+                        f"resume it with {saved} processes (melt-eval train --nproc-per-node {saved} ...)")
+
+
+def check_compile(recipe, world: int) -> None:
+    """compile: captured trains one process only (`prepare_student` applies it; target exit_gate compiles nothing)."""
+    if recipe.compile == "captured" and world > 1 and recipe.target != "exit_gate":
+        raise UserError(CAPTURED_WITH_SEVERAL)
+
+
+def worker_refusal(message: str) -> bool:
+    """In a worker of `train --nproc-per-node`: hand the one-line refusal to the launch, which says it once for all
+    ranks; True when handed over (the worker then exits 2 without printing it), False elsewhere."""
+    folder = os.environ.get(LAUNCH_ERRORS)
+    if not folder:
+        return False
+    try:
+        path = Path(folder) / f"rank-{int(os.environ.get('RANK', '0')):06d}"
+        part = path.with_name(path.name + ".part")
+        part.write_text(message, encoding="utf-8")
+        os.replace(part, path)  # the launch reads whole messages only
+    except (OSError, ValueError):
+        return False
+    return True
+
+
+def peer_refused() -> bool:
+    """In a worker of `train --nproc-per-node`: whether a rank has refused (and left: the error a peer then meets
+    at the next collective is no news; the launch says the refusal)."""
+    folder = os.environ.get(LAUNCH_ERRORS)
+    return bool(folder) and any(Path(folder).glob("rank-[0-9]*[0-9]"))
+
+
+def launch_worker() -> bool:
+    """Whether this process is a worker of `train --nproc-per-node` (the launch speaks for it)."""
+    return bool(os.environ.get(LAUNCH_ERRORS))

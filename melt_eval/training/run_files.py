@@ -69,9 +69,10 @@ def saved_recipe(output: Path, meta: dict | str | None) -> tuple[Recipe, list[st
         raise UserError(f"--resume: the recipe recorded in {output / origin} is unusable ({exc})") from None
 
 
-def prepare_output(output: Path, recipe: Recipe, resume: bool) -> tuple[Recipe, list[Path], list[str]]:
+def prepare_output(output: Path, recipe: Recipe, resume: bool, tidy: bool = True) -> tuple[Recipe, list[Path], list[str]]:
     """Check the output directory against --resume; return the recipe to run, the checkpoints to try
-    loading (newest complete first) and notes for the user (what was skipped or recovered)."""
+    loading (newest complete first) and notes for the user (what was skipped or recovered). `tidy` False: only
+    check, removing no leftovers (`train --nproc-per-node` before its workers start)."""
     if not resume:
         if (output / "recipe.yaml").exists() or (output / META_FILE).exists() or checkpoint_dirs(output):
             raise UserError(f"{output} already holds a training run; pass --resume to continue it or choose another --output")
@@ -88,10 +89,11 @@ def prepare_output(output: Path, recipe: Recipe, resume: bool) -> tuple[Recipe, 
     if diff:
         detail = ", ".join(f"{k}: {getattr(old, k)!r} -> {getattr(recipe, k)!r}" for k in diff[:6])
         raise UserError(f"--resume must use the interrupted run's recipe; these keys differ ({detail}). Rerun the same command with --resume")
-    from accelerate import PartialState
+    if tidy:
+        from accelerate import PartialState
 
-    if PartialState().is_main_process:
-        remove_leftovers(output)
+        if PartialState().is_main_process:
+            remove_leftovers(output)
     candidates, ckpt_notes = resume_candidates(output)
     return recipe, candidates, notes + ckpt_notes
 
