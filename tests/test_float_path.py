@@ -156,3 +156,18 @@ def torch_equal(a, b) -> bool:
     import torch
 
     return torch.equal(a, b)
+
+
+def test_claims_says_when_the_runs_it_compares_came_from_different_float_paths():
+    from melt_eval.report.claims import RunClaims, float_path_note
+
+    pinned = {"pinned": True, "kernels": "AVX2", "mkl_cbwr": "AVX2", "threads": 2, "torch": "2.13.0+cpu", "mkl": "2024.2"}
+    runs = [RunClaims("seed 0", Path("a"), [], float_path=pinned),
+            RunClaims("seed 1", Path("b"), [], float_path=dict(pinned, cpu_vendor="GenuineIntel"))]
+    assert float_path_note(runs) is None  # the CPU is information; what decides the bits is the same
+    runs[1].float_path = dict(pinned, kernels="AVX512", mkl_cbwr=None, pinned=False)
+    note = float_path_note(runs)
+    assert note.startswith("note: these runs were computed on different float paths")
+    assert "seed 1: AVX512 kernels, MKL_CBWR=None, 2 thread(s), torch 2.13.0+cpu, not pinned" in note
+    runs[1].float_path = None  # a run from before the record
+    assert "seed 1: not recorded" in float_path_note(runs)
