@@ -171,3 +171,18 @@ def test_claims_says_when_the_runs_it_compares_came_from_different_float_paths()
     assert "seed 1: AVX512 kernels, MKL_CBWR=None, 2 thread(s), torch 2.13.0+cpu, not pinned" in note
     runs[1].float_path = None  # a run from before the record
     assert "seed 1: not recorded" in float_path_note(runs)
+
+
+def test_the_demo_says_whether_its_claims_are_the_published_ones_of_its_seed(tmp_path):
+    from melt_eval.experiments import demo
+
+    from conftest import REPO
+
+    published = REPO / "docs" / "results" / "2026-12-07-float-path" / "seed0" / "report" / "claims.json"
+    same = demo.published_match(0, published)
+    assert same["matches"] is True and same["line"].startswith("this run matches the published numbers of seed 0")
+    other = tmp_path / "claims.json"
+    other.write_bytes(published.read_bytes().replace(b"78.3", b"78.4", 1))
+    differs = demo.published_match(0, other)
+    assert differs["matches"] is False and "does NOT match the published numbers of seed 0" in differs["line"]
+    assert demo.published_match(12345, published)["matches"] is None
