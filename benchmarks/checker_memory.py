@@ -16,12 +16,17 @@ import argparse
 import json
 import os
 import shutil
+import sys
 import threading
 import time
 from pathlib import Path
 
-from melt_eval.evaluation import sandbox
-from melt_eval.evaluation.sandbox import SandboxLimits, run_check
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _args import whole  # noqa: E402
+
+from melt_eval.evaluation import sandbox  # noqa: E402
+from melt_eval.evaluation.sandbox import SandboxLimits, run_check  # noqa: E402
 
 ATTACK = """
 import os, time
@@ -108,8 +113,9 @@ def measure(limits: SandboxLimits) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--bound-mib", type=int, default=384)
-    parser.add_argument("--max-processes", type=int, default=6)
+    # the attack holds up to 320 MiB and answers 16 MiB: a bound far below that measures only the refusal
+    parser.add_argument("--bound-mib", type=whole(64, 1 << 20), default=384)
+    parser.add_argument("--max-processes", type=whole(2, 4096), default=6, help="the attack forks one child")
     args = parser.parse_args()
     limits = SandboxLimits(timeout_s=20, memory_bytes=args.bound_mib << 20, max_processes=args.max_processes)
     backends = ["launcher"] + (["bwrap"] if shutil.which("bwrap") else [])

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -20,8 +21,12 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from melt_eval.files import sha256_file
-from melt_eval.registry import get_spec
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _args import whole  # noqa: E402
+
+from melt_eval.files import sha256_file  # noqa: E402
+from melt_eval.registry import get_spec  # noqa: E402
 
 
 def best_of(repeats: int, fn) -> float:
@@ -35,8 +40,8 @@ def best_of(repeats: int, fn) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--mib", type=int, default=512, help="size of the measured file (MiB)")
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--mib", type=whole(1, 1 << 20), default=512, help="size of the measured file (MiB)")
+    parser.add_argument("--repeats", type=whole(1), default=3)
     args = parser.parse_args()
     nbytes = args.mib << 20
     tensor = torch.randn(nbytes // 4)

@@ -1,6 +1,6 @@
 """Start-up time of the light commands: the code before the import restructuring (issue 37) vs this tree.
 
-    python benchmarks/cli_start.py --before /tmp/before [--before-ref REF] [--runs 7]
+    python benchmarks/cli_start.py --before /tmp/before [--before-ref REF] [--runs 7] [--keep-page-cache]
 
 `--before` is a checkout of the earlier code (made with `git worktree add --detach DIR REF` when it is
 missing and `--before-ref` is given); each command runs as the console script runs it (`from
@@ -23,6 +23,10 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+from _args import whole  # noqa: E402
+
 COMMANDS = (["--help"], ["tasks"], ["models", "--format", "json"])
 HEAVY = ("torch", "transformers", "lighteval", "vllm")
 PROBE = (
@@ -70,11 +74,19 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--before", type=Path, default=Path("/tmp/before"), help="checkout of the earlier code")
     parser.add_argument("--before-ref", help="git ref to check out into --before when it is missing")
-    parser.add_argument("--runs", type=int, default=7, help="runs per tree and command (the first is the cold one)")
+    parser.add_argument("--runs", type=whole(1), default=7, help="runs per tree and command (the first is the cold one)")
+    parser.add_argument("--keep-page-cache", action="store_true",
+                        help="never drop the page cache (it slows whatever else runs on the machine)")
     args = parser.parse_args()
     if not (args.before / "melt_eval").is_dir():
         if not args.before_ref:
-            raise SystemExit(f"{args.before} has no melt_eval/: pass --before-ref to check one out there")
+            parser.error(f"{args.before} has no melt_eval/: pass --before a checkout, or --before-ref to check one out there")
+        if args.before.exists():
+            parser.error(f"{args.before} exists without melt_eval/; pass a new --before for the checkout of {args.before_ref}")
+        ref = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--verify", "--quiet", f"{args.before_ref}^{{commit}}"],
+                             capture_output=True, text=True)
+        if ref.returncode != 0:
+            parser.error(f"--before-ref {args.before_ref!r} is not a commit of {REPO}")
         subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", str(args.before), args.before_ref],
                        check=True)
     trees = {"before": args.before.resolve(), "after": REPO}
@@ -84,7 +96,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as cwd:
         for argv in COMMANDS:
             for label, tree in trees.items():
-                dropped = drop_caches()
+                dropped = False if args.keep_page_cache else drop_caches()
                 times, heavy_seen = [], set()
                 for _ in range(args.runs):
                     wall, file, heavy = once(tree, argv, cwd)

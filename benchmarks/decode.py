@@ -15,11 +15,18 @@ import json
 import platform
 import time
 
+import sys
+from pathlib import Path
+
 import torch
 
-from melt_eval.generation import generate
-from melt_eval.generation.options import InferenceOptions
-from melt_eval.modeling import LoopLMConfig, LoopLMForCausalLM, MeltForCausalLM
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _args import device, whole, wholes  # noqa: E402
+
+from melt_eval.generation import generate  # noqa: E402
+from melt_eval.generation.options import InferenceOptions  # noqa: E402
+from melt_eval.modeling import LoopLMConfig, LoopLMForCausalLM, MeltForCausalLM  # noqa: E402
 
 
 def build_models(dtype, device, hidden: int, layers: int, loops: int):
@@ -54,17 +61,22 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="small contexts, for a smoke run")
     parser.add_argument("--json", action="store_true", help="print a JSON list instead of a table")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--device", type=device, default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    parser.add_argument("--contexts", default=None, help="comma-separated context lengths")
-    parser.add_argument("--new", type=int, default=None, help="tokens decoded per sequence")
-    parser.add_argument("--batch", type=int, default=4)
-    parser.add_argument("--hidden", type=int, default=256)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--loops", type=int, default=4)
+    # up to the models' max_position_embeddings, with room for the decoded tokens
+    parser.add_argument("--contexts", type=wholes(1), default=None, help="comma-separated context lengths")
+    parser.add_argument("--new", type=whole(1, 4096), default=None, help="tokens decoded per sequence")
+    parser.add_argument("--batch", type=whole(1), default=4)
+    parser.add_argument("--hidden", type=whole(64), default=256, help="a multiple of 64 (heads of 64)")
+    parser.add_argument("--layers", type=whole(1), default=4)
+    parser.add_argument("--loops", type=whole(1), default=4)
     args = parser.parse_args()
+    if args.hidden % 64:
+        parser.error(f"--hidden must be a multiple of 64 (heads of 64), got {args.hidden}")
+    if args.contexts and max(args.contexts) + (args.new or 32) > 65536:
+        parser.error("--contexts plus --new must fit the models' 65,536 positions")
 
-    contexts = [int(c) for c in (args.contexts or ("64,256" if args.quick else "256,1024,4096")).split(",")]
+    contexts = list(args.contexts or ((64, 256) if args.quick else (256, 1024, 4096)))
     new = args.new or (8 if args.quick else 32)
     dtype = getattr(torch, args.dtype)
     models = build_models(dtype, args.device, args.hidden, args.layers, args.loops)

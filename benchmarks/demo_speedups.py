@@ -9,7 +9,7 @@
    baseline), then the prompt whole with the same sampler, then the prompt whole with `sample_next`
    (inverse transform of per-row uniforms drawn once per wave, the engine now).
 
-    python benchmarks/demo_speedups.py [--steps 6] [--rounds 2] [--problems 100] [--json]
+    python benchmarks/demo_speedups.py [--steps 6] [--rounds 2] [--problems 100] [--sequences 16] [--json]
 
 Random weights (tiny-random-ouro and MELT from it): a random model never stops, so every variant
 generates the same number of tokens. Ratios are what carry over; the load average is printed beside them.
@@ -28,10 +28,15 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _args import whole  # noqa: E402
 
 
-def training_steps(steps: int, rounds: int) -> dict[str, float]:
-    from melt_eval.training import run_recipe
+def training_steps(steps: int, rounds: int, sequences: int = 16) -> dict[str, float]:
+    from melt_eval.training import load_recipe, run_recipe
+
+    seq_len = load_recipe("tiny-phase1").seq_len
 
     times: dict[str, list[float]] = {"prompt chunked like the reply": [], "prompt as one chunk": []}
     with tempfile.TemporaryDirectory() as tmp:
@@ -40,7 +45,8 @@ def training_steps(steps: int, rounds: int) -> dict[str, float]:
                 out = Path(tmp) / f"{r}-{whole}"
                 run_recipe("tiny-phase1", "tiny-random-ouro", out, progress=False,
                            overrides={"prompt_as_one_chunk": whole, "max_steps": steps + 2, "interpolation_steps": 0,
-                                      "save_every": 0, "tensorboard": False})
+                                      "save_every": 0, "tensorboard": False, "micro_batch_size": sequences,
+                                      "batch_tokens": sequences * seq_len})
                 rows = [json.loads(line) for line in (out / "logs" / "metrics.jsonl").read_text().splitlines()]
                 times[label] += [row["step_time_s"] for row in rows[2:]]  # the first two steps warm up
     return {label: statistics.median(t) for label, t in times.items()}
@@ -102,9 +108,10 @@ def generation(problems: int) -> dict[str, float]:
 
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--steps", type=int, default=6, help="timed training steps per round and variant")
-    ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--problems", type=int, default=100)
+    ap.add_argument("--steps", type=whole(1), default=6, help="timed training steps per round and variant")
+    ap.add_argument("--rounds", type=whole(1), default=2)
+    ap.add_argument("--problems", type=whole(1), default=100)
+    ap.add_argument("--sequences", type=whole(1), default=16, help="chats per training step (the recipe's 16)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
 
@@ -112,7 +119,7 @@ def main(argv=None) -> dict:
 
     torch.set_num_threads(1)  # as the demo's side-by-side workers
     load = [round(x, 2) for x in os.getloadavg()]
-    train = training_steps(args.steps, args.rounds)
+    train = training_steps(args.steps, args.rounds, args.sequences)
     gen = generation(args.problems)
     out = {"training_step_s": {k: round(v, 3) for k, v in train.items()},
            "generation_s": {k: round(v, 2) for k, v in gen.items()},
@@ -123,7 +130,7 @@ def main(argv=None) -> dict:
         return out
     print(f"{out['machine']}; load average {load[0]} at the start, {out['load_average']['end'][0]} at the end")
     base = train["prompt chunked like the reply"]
-    print("tiny-phase1 step (median):")
+    print(f"tiny-phase1 step of {args.sequences} chats (median):")
     for label, t in train.items():
         print(f"  {label:<40} {t:.3f} s  ({t / base:.2f}x)")
     base = gen["prefill chunk 1, per-row multinomial"]

@@ -63,6 +63,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+from _args import output_file, whole, wholes  # noqa: E402
 
 from melt_eval.modeling import LoopLMConfig, LoopLMForCausalLM, MeltForCausalLM  # noqa: E402
 from melt_eval.training import load_recipe  # noqa: E402
@@ -457,10 +460,11 @@ def decode_section() -> dict:
 
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--json", type=Path, help="write the counts here")
+    parser.add_argument("--json", type=output_file, help="write the counts here")
     parser.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated, of {', '.join(SECTIONS)}")
-    parser.add_argument("--layers", type=int, default=24, help="N (default 24, the paper's); T = 4")
-    parser.add_argument("--count-layers", type=lambda v: tuple(int(x) for x in v.split(",")), default=None,
+    parser.add_argument("--layers", type=whole(1), default=24, help="N (default 24, the paper's); T = 4")
+    # two different depths: a line through one point, or the same point twice, extrapolates nothing
+    parser.add_argument("--count-layers", type=wholes(1, count=2, distinct=True), default=None,
                         metavar="N1,N2", help="count at these two depths and extrapolate to --layers (exact, quicker)")
     args = parser.parse_args(argv)
     wanted = [s for s in args.sections.split(",") if s]

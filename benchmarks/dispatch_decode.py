@@ -42,6 +42,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+from _args import output_file  # noqa: E402
 
 from melt_eval.generation import decode_step  # noqa: E402
 from melt_eval.generation.decode_step import DecodeStep  # noqa: E402
@@ -220,7 +223,7 @@ def decode_section() -> dict:
 
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--json", type=Path, default=None, help="write the counts here")
+    ap.add_argument("--json", type=output_file, default=None, help="write the counts here")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)  # counts do not depend on threads; compilation is lighter on a shared machine
     t0 = time.perf_counter()

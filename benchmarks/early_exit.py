@@ -32,6 +32,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from _args import whole  # noqa: E402
 from train_throughput import PRESETS, build  # noqa: E402
 
 from melt_eval.generation import generate  # noqa: E402
@@ -58,12 +59,14 @@ def decode_time(model, prompts, exit_rule, new: int) -> tuple[float, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", choices=list(PRESETS), default="tiny")
-    parser.add_argument("--batch", type=int, default=16, help="rows decoded together")
-    parser.add_argument("--context", type=int, default=100, help="prompt tokens")
-    parser.add_argument("--new", type=int, default=64, help="tokens generated per row")
-    parser.add_argument("--repeats", type=int, default=3, help="timed runs per variant (median), interleaved")
+    parser.add_argument("--batch", type=whole(1), default=16, help="rows decoded together")
+    parser.add_argument("--context", type=whole(1), default=100, help="prompt tokens")
+    parser.add_argument("--new", type=whole(2), default=64, help="tokens generated per row (the first is the prefill's)")
+    parser.add_argument("--repeats", type=whole(1), default=3, help="timed runs per variant (median), interleaved")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
+    if args.context + args.new > 65536:
+        parser.error("--context plus --new must fit the models' 65,536 positions")
     torch.set_num_threads(1)
     looplm, melt = build(args.preset, torch.device("cpu"), torch.float32)
     with torch.no_grad():  # lambda = sigmoid(0) = 1/2 whatever the state: the gate rule stops every token at loop 2

@@ -12,7 +12,9 @@ forward calls each layer's pieces T times per chunk, not the layer's own forward
 
 from __future__ import annotations
 
+import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -114,10 +116,25 @@ def paper_params() -> int:
     return sum(p.numel() for p in melt.parameters())
 
 
-def main() -> None:
+ROWS = 4  # the batch, split evenly over the ranks
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.parse_args(argv)  # no options: anything given is refused, not ignored
+    world = os.environ.get("WORLD_SIZE")
+    if world is None or "MASTER_ADDR" not in os.environ:  # gloo would fail on the missing rendezvous
+        parser.error("run it under torchrun: torchrun --standalone --nproc_per_node 2 benchmarks/fsdp_cpu.py")
+    if not world.isdigit() or int(world) < 1 or ROWS % int(world):
+        parser.error(f"--nproc_per_node must divide the batch's {ROWS} rows (1, 2 or 4), got {world}")
     dist.init_process_group("gloo")
+    if dist.get_rank() == 0:  # built once, before the other ranks read it (a fresh home has no tiny model yet)
+        from melt_eval.modeling.loading import resolve_model_dir
+
+        resolve_model_dir("tiny-random-melt")
+    dist.barrier()
     torch.manual_seed(0)
-    batch = torch.randint(0, 500, (4, 32))
+    batch = torch.randint(0, 500, (ROWS, 32))
     results = [run(wrap, batch) for wrap in ("one-unit", "per-layer")]
     if dist.get_rank() == 0:
         print(json.dumps({"world_size": dist.get_world_size(), "torch": torch.__version__, "model": "tiny-random-melt",

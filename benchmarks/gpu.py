@@ -720,6 +720,15 @@ def main(argv=None) -> dict:
     ap.add_argument("--only", default=None, help=f"comma-separated subset of {','.join(MEASURES)}, or {','.join(OPT_IN)} (named only)")
     ap.add_argument("--measure", choices=MEASURES + OPT_IN, default=None, help=argparse.SUPPRESS)  # the child's one measure
     args = ap.parse_args(argv)
+    if not (math.isfinite(args.budget_s) and args.budget_s >= 0):  # 0: every measure skipped, the report still written
+        ap.error(f"--budget-s must be a finite number of seconds, 0 or more, got {args.budget_s}")
+    if args.device.split(":")[0] not in ("cpu", "cuda") or args.device.startswith("cuda") and not torch.cuda.is_available():
+        ap.error(f"--device {args.device!r} is no device here; pass cpu" + (" or cuda" if torch.cuda.is_available() else ""))
+    unknown = [m for m in (args.only or "").split(",") if m and m not in MEASURES + OPT_IN]
+    if unknown or args.only is not None and not any(args.only.split(",")):
+        ap.error(f"--only names measures of {','.join(MEASURES + OPT_IN)}; got {args.only!r}")
+    if args.json is not None and (args.json.is_dir() or not args.json.parent.is_dir()):
+        ap.error(f"--json {args.json}: pass a file in an existing directory")
     device = torch.device(args.device)
     shapes = QUICK if args.quick else FULL
     if device.type == "cpu" and not args.quick:

@@ -16,14 +16,20 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
+from pathlib import Path
 
 import torch
 
-from melt_eval.generation import generate
-from melt_eval.generation.options import InferenceOptions
-from melt_eval.modeling.melt import MeltForCausalLM
-from melt_eval.modeling.tiny import build_tokenizer, make_tiny_looplm
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _args import whole, wholes  # noqa: E402
+
+from melt_eval.generation import generate  # noqa: E402
+from melt_eval.generation.options import InferenceOptions  # noqa: E402
+from melt_eval.modeling.melt import MeltForCausalLM  # noqa: E402
+from melt_eval.modeling.tiny import build_tokenizer, make_tiny_looplm  # noqa: E402
 
 FORMATS = {"auto": {}, "fp8": {"kv_cache_dtype": "fp8"}, "int8": {"kv_cache_dtype": "int8"},
            "int4": {"kv_cache_dtype": "int4"}, "cross-loop": {"cross_loop_kv": True}}
@@ -40,14 +46,16 @@ def run(model, prompt, options: dict, new: int, batch: int) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--contexts", default="256,1024")
-    parser.add_argument("--new", type=int, default=64)
-    parser.add_argument("--batch", type=int, default=4)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--contexts", type=wholes(1), default=(256, 1024))
+    parser.add_argument("--new", type=whole(2), default=64)
+    parser.add_argument("--batch", type=whole(1), default=4)
+    parser.add_argument("--repeats", type=whole(1), default=3)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    parser.add_argument("--threads", type=int, default=1, help="torch threads (0: torch's default)")
+    parser.add_argument("--threads", type=whole(0), default=1, help="torch threads (0: torch's default)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
+    if max(args.contexts) + args.new > 4096:
+        parser.error("--contexts plus --new must fit the tiny model's 4,096 positions")
     if args.threads:
         torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
@@ -56,7 +64,7 @@ def main() -> None:
     models = {"ouro": ouro.to(dtype), "melt": MeltForCausalLM.from_looplm(ouro, gate="elementwise", seed=0).eval().to(dtype)}
     rows = []
     for name, model in models.items():
-        for context in map(int, args.contexts.split(",")):
+        for context in args.contexts:
             prompt = torch.randint(5, model.config.vocab_size, (context,), generator=torch.Generator().manual_seed(context)).tolist()
             formats = {k: v for k, v in FORMATS.items() if name == "ouro" or k != "cross-loop"}
             best: dict = {}

@@ -24,6 +24,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import dispatch  # noqa: E402
+from _args import input_file, output_file  # noqa: E402
 
 STEPS = (3, 4, 5)  # chunks per step
 
@@ -52,18 +53,27 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     save = sub.add_parser("save", help="train three steps and save the weights")
-    save.add_argument("path", type=Path)
+    save.add_argument("path", type=output_file)
     save.add_argument("--compile", action="store_true", help="the compiled layer step (compile: true)")
     cmp = sub.add_parser("compare", help="compare two saved sets of weights bit for bit")
-    cmp.add_argument("a", type=Path)
-    cmp.add_argument("b", type=Path)
+    cmp.add_argument("a", type=input_file)
+    cmp.add_argument("b", type=input_file)
     args = parser.parse_args(argv)
     torch.set_num_threads(1)  # the kernels split their work by threads: one thread makes two runs comparable
     if args.command == "save":
         torch.save(trained_weights(args.compile), args.path)
         print(f"saved {args.path}")
         return 0
-    result = compare(torch.load(args.a), torch.load(args.b))
+    weights = []
+    for path in (args.a, args.b):
+        try:
+            loaded = torch.load(path)
+        except Exception:  # noqa: BLE001 - whatever torch makes of a file that is not one: the same one line
+            loaded = None
+        if not (isinstance(loaded, dict) and all(isinstance(t, torch.Tensor) for t in loaded.values())):
+            parser.error(f"{path} holds no weights saved by `same_bits.py save`")
+        weights.append(loaded)
+    result = compare(*weights)
     print(json.dumps(result, indent=2))
     return 0 if result["different"] == 0 else 1
 

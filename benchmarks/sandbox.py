@@ -21,9 +21,14 @@ import sys
 import time
 
 import shutil
+from pathlib import Path
 
-from melt_eval.evaluation import sandbox
-from melt_eval.evaluation.sandbox import SandboxLimits, describe, run_check, run_python
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _args import whole  # noqa: E402
+
+from melt_eval.evaluation import sandbox  # noqa: E402
+from melt_eval.evaluation.sandbox import SandboxLimits, describe, run_check, run_python  # noqa: E402
 
 CODE = "def add(a, b):\n    return a + b\n"
 TESTS = "def check(candidate):\n    assert candidate(2, 3) == 5\n    assert candidate(-1, 1) == 0\n"
@@ -32,7 +37,7 @@ PROGRAM = f"{CODE}\n{TESTS}\ncheck(add)\n"
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--checks", type=int, default=20)
+    parser.add_argument("--checks", type=whole(1), default=20)
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     layers = describe()

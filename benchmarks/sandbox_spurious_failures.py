@@ -14,9 +14,15 @@ import argparse
 import json
 import os
 import shutil
+import sys
+from pathlib import Path
 
-from melt_eval.evaluation import sandbox
-from melt_eval.evaluation.sandbox import SandboxLimits, run_check
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _args import whole  # noqa: E402
+
+from melt_eval.evaluation import sandbox  # noqa: E402
+from melt_eval.evaluation.sandbox import SandboxLimits, run_check  # noqa: E402
 
 CORRECT = ("import os, threading\nt = threading.Thread(target=print)\nt.start()\nt.join()\nif os.fork() == 0:\n"
            "    os._exit(0)\nos.wait()\ndef add(a, b):\n    return a + b\n")
@@ -26,11 +32,13 @@ CHECK = "def check(candidate):\n    assert candidate(2, 3) == 5\n"
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--checks", type=int, default=100)
+    parser.add_argument("--checks", type=whole(1), default=100)
     parser.add_argument("--after-bomb", action="store_true", help="a fork bomb's check before each correct one")
     parser.add_argument("--backend", choices=["bwrap", "launcher"], default=None,
                         help="default: both (bwrap where installed)")
     args = parser.parse_args()
+    if args.backend == "bwrap" and not shutil.which("bwrap"):
+        parser.error("--backend bwrap: bubblewrap is not installed here; pass --backend launcher")
     backends = [args.backend] if args.backend else ["launcher"] + (["bwrap"] if shutil.which("bwrap") else [])
     out = {"checks": args.checks, "after_bomb": args.after_bomb, "load_start": os.getloadavg()}
     for name in backends:

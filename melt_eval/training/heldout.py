@@ -161,6 +161,6 @@ class HeldoutCheck:
 
 def answer(reply: str) -> str | None:
     """The last \\boxed{} of a reply, stripped: the synthetic answers are plain integers, where this string
-    match gives LightEval's math metric's verdict (the screens' check: benchmarks/demo_task_screen.py)."""
+    match gives LightEval's math metric's verdict (the screens' check: benchmarks/demo_task_screen.py, at commit 59829de)."""
     found = _BOXED.findall(reply)
     return found[-1].strip() if found else None
