@@ -186,10 +186,11 @@ def test_vllm_throughput_runs_its_arithmetic_and_needs_vllm_for_the_rest():
 @pytest.mark.slow
 @pytest.mark.vllm
 def test_vllm_throughput_serves_both_models():
-    """Two vLLM engines start (a minute or more on a CPU): the smallest case that serves."""
+    """Four vLLM engines start, a probe and a run per model (a few minutes on a CPU): the smallest case that serves,
+    a 1 MiB budget keeping the batch small."""
     if importlib.util.find_spec("vllm") is None:
         pytest.skip("vLLM is not installed")
     run = script("vllm_throughput", "--quick", "--hidden", "64", "--layers", "1", "--prompt", "8", "--new", "8",
-                 "--json", timeout=900)
+                 "--kv-budget-mb", "1", "--json", timeout=900)
     assert run.returncode == 0, run.stderr[-3000:]
     assert json.loads(run.stdout[run.stdout.index("{"):])["kv_per_token_ratio"] > 1  # MELT's cache is the smaller
