@@ -3,6 +3,7 @@ recompute and backward (melt_eval/modeling/captured_step.py). It must give the e
 break no graph, and compile nothing new at a later chunk or at another padded length."""
 
 import copy
+import json
 
 import pytest
 import torch
@@ -118,3 +119,20 @@ def test_a_captured_step_is_refused_under_several_processes(chunk_looplm):
         prepare_student(student, recipe, one_process=False)
     assert prepare_student(student, recipe, one_process=True) == recipe.chunk_size
     assert student.model.captured_step is not None
+
+
+@pytest.mark.slow
+def test_a_captured_phase_1_run_crosses_from_the_interpolated_cache_to_the_shared_one(tmp_path):
+    """Phase 1 compiles every step kind twice, at alpha < 1 and at alpha = 1: with room for one set, dynamo's
+    recompile limit (fatal under fullgraph) stopped the demo's `tiny-phase1` at step 31 (issue 68's measure).
+    Two interpolation steps cross the same line in four steps."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "melt_eval.cli", "train", "--recipe", "tiny-phase1", "--from",
+                           "tiny-random-ouro", "--max-steps", "4", "--set", "compile=captured", "--set",
+                           "interpolation_steps=2", "--no-progress", "--output", str(tmp_path / "run")],
+                          capture_output=True, text=True, timeout=1800)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [json.loads(line) for line in (tmp_path / "run" / "logs" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["alpha"] for r in rows] == [0.0, 0.5, 1.0, 1.0]
