@@ -147,14 +147,8 @@ def write_text_atomic(path: Path, text: str) -> None:
     write_bytes_atomic(path, text.encode("utf-8"))
 
 
-def write_json_atomic(path: Path, obj, strict: bool = False) -> None:
-    """`strict`: a file the harness reads back or hands to other tools as JSON: NaN and Infinity written as null."""
-    if strict:
-        from melt_eval.jsonio import dumps
-
-        write_text_atomic(path, dumps(obj, indent=2, default=str) + "\n")
-    else:
-        write_text_atomic(path, json.dumps(obj, indent=2, default=str) + "\n")
+def write_json_atomic(path: Path, obj) -> None:
+    write_text_atomic(path, json.dumps(obj, indent=2, default=str) + "\n")
 
 
 def remove_tree(path: Path) -> None:

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Iterator
 
 from melt_eval.errors import UserError
-from melt_eval.files import MAX_READ_BYTES, check_regular_file
+from melt_eval.files import MAX_READ_BYTES, check_regular_file, write_text_atomic
 
 MAX_DEPTH = 64  # no harness file nests deeper; far deeper input would hit Python's recursion limit
 
@@ -79,6 +79,12 @@ def dumps(obj, **kwargs) -> str:
     """Strict JSON for what the harness prints: a number that is not finite is null, never NaN (which no
     JSON reader but Python's accepts)."""
     return json.dumps(finite(obj), allow_nan=False, **kwargs)
+
+
+def write_json_strict(path: Path, obj) -> None:
+    """`files.write_json_atomic` for a file the harness reads back or hands to other tools as JSON: NaN and
+    Infinity written as null."""
+    write_text_atomic(Path(path), dumps(obj, indent=2, default=str) + "\n")
 
 
 def read_json(path: str | Path, what: str = "a JSON file", max_bytes: int = MAX_READ_BYTES):

@@ -178,6 +178,7 @@ def _run_demo(output: Path, quick: bool, progress: bool, seed: int, threads: int
     say("report", f"[{steps}/{steps}] the report")
     from melt_eval.experiments.loop_profile import SEQUENCES, checkpoint_profile, summary_line
     from melt_eval.files import write_json_atomic
+    from melt_eval.jsonio import write_json_strict
     from melt_eval.report.claims import NOISE, paper_claims
     from melt_eval.report.mistakes import mistakes_json
     from melt_eval.report.render import print_tables, render_markdown_report
@@ -192,8 +193,8 @@ def _run_demo(output: Path, quick: bool, progress: bool, seed: int, threads: int
     (output / "report" / "paper_tables.md").write_text(render_markdown_report(paper_tables))
     measured = load_results(results)
     claims = paper_claims(measured)
-    write_json_atomic(output / "report" / "claims.json", [c.to_json() for c in claims], strict=True)
-    write_json_atomic(output / "report" / "mistakes.json", mistakes_json(measured), strict=True)
+    write_json_strict(output / "report" / "claims.json", [c.to_json() for c in claims])
+    write_json_strict(output / "report" / "mistakes.json", mistakes_json(measured))
     # where each model does its work, loop by loop: docs/results/demo-history.md traces the conversion's seed dependence to it
     profiles = {name: checkpoint_profile(model) for name, model in main.items()}
     # what each gate learned (z at loops 2..T at the end of training), to read beside the gate claim
