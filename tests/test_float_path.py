@@ -40,12 +40,19 @@ def machines() -> dict[str, tuple[list[str], dict]]:
     return seen
 
 
+# What a user's shell holds: none of the test session's own settings (other tests set thread or launcher
+# variables in this process), only the test home and the offline switches
+SHELL = ("PATH", "HOME", "LANG", "TMPDIR", "MELT_EVAL_HOME", "HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE")
+
+
+def user_env(extra: dict) -> dict:
+    return {**{k: os.environ[k] for k in SHELL if k in os.environ}, **extra}
+
+
 def run_as(machine: tuple[list[str], dict], *args: str) -> subprocess.CompletedProcess:
     prefix, extra = machine
-    env = {k: v for k, v in os.environ.items() if k not in PIN_VARIABLES}  # what a user's shell would hold
-    env.update(extra)
-    return subprocess.run([*prefix, sys.executable, "-m", "melt_eval.cli", *args], env=env, capture_output=True,
-                          text=True, timeout=900)
+    return subprocess.run([*prefix, sys.executable, "-m", "melt_eval.cli", *args], env=user_env(extra),
+                          capture_output=True, text=True, timeout=900)
 
 
 def sha256(path: Path) -> str:
@@ -92,12 +99,10 @@ def test_the_thread_count_is_pinned_whatever_the_cores(taskset):
              "print(json.dumps(float_path.describe()))")
     for machine in machines().values():
         prefix, extra = machine
-        env = {k: v for k, v in os.environ.items() if k not in PIN_VARIABLES}
-        env.update(extra)
         # the CLI module pins on import, as every command's process does
         code = "import melt_eval.cli; " + probe
-        seen = json.loads(subprocess.run([*prefix, sys.executable, "-c", code], env=env, capture_output=True,
-                                         text=True, check=True).stdout)
+        seen = json.loads(subprocess.run([*prefix, sys.executable, "-c", code], env=user_env(extra),
+                                         capture_output=True, text=True, check=True).stdout)
         assert (seen["threads"], seen["kernels"], seen["mkl_cbwr"]) == (float_path.THREADS, "AVX2", "AVX2"), seen
 
 

@@ -230,4 +230,6 @@ def test_the_runner_trains_chunked_melt_with_bf16_mixed_precision(tmp_path, fres
     meta = json.loads((out / "melt_eval_training.json").read_text())
     assert meta["status"] == "finished" and meta["mixed_precision"] == "bf16"
     records = [json.loads(line) for line in (out / "logs" / "metrics.jsonl").read_text().splitlines()]
-    assert records and all(r["loss"] == r["loss"] and r["grad_norm"] > 0 for r in records)
+    # step 1 is phase 1's alpha = 0 step, exact and skipped (loss and gradient 0); the next one trains
+    assert records[0]["loss"] == 0.0 and records[0]["grad_norm"] == 0.0
+    assert records[1:] and all(r["loss"] == r["loss"] and r["grad_norm"] > 0 for r in records[1:])

@@ -561,7 +561,7 @@ def test_claims_refuse_a_copied_run_escape_file_text_and_check_every_saved_numbe
     file cannot drive the terminal; a saved NaN, Infinity or impossible number is refused and the JSON printed is
     strict."""
     from melt_eval.files import write_json_atomic
-    from melt_eval.jsonio import dumps
+    from melt_eval.jsonio import dumps, write_json_strict
     from melt_eval.report.claims import paper_claims
 
     for seed, override in ((0, {}), (1, {"gates/scalar": 0.48})):
@@ -569,7 +569,7 @@ def test_claims_refuse_a_copied_run_escape_file_text_and_check_every_saved_numbe
         (tmp_path / f"demo-{seed}" / "demo.json").write_text(json.dumps({"seed": seed, "quick": False}))
     saved = tmp_path / "demo-0" / "report" / "claims.json"
     saved.parent.mkdir()
-    write_json_atomic(saved, [c.to_json() for c in paper_claims(load_results(tmp_path / "demo-0" / "results"))], strict=True)
+    write_json_strict(saved, [c.to_json() for c in paper_claims(load_results(tmp_path / "demo-0" / "results"))])
     d0, d1 = str(tmp_path / "demo-0"), str(tmp_path / "demo-1")
     shutil.copytree(d0, tmp_path / "demo-0-copy")
     (tmp_path / "elsewhere").mkdir()

@@ -42,7 +42,8 @@ def test_phase1_then_phase2_loads_and_generates(tmp_path):
     assert meta1["code"]["git_sha"] and meta1["recipe"]["interpolation_steps"] == 2
     logs = [json.loads(l) for l in (p1 / "logs" / "metrics.jsonl").read_text().splitlines()]
     assert [r["alpha"] for r in logs] == [0.0, 0.5, 1.0]
-    first = logs[0]
+    assert (logs[0]["loss"], logs[0]["grad_norm"]) == (0.0, 0.0)  # alpha = 0: the student is its teacher, no update
+    first = logs[1]
     assert {"kd", "sft", "loss", "lr.base", "lr.gate", "tokens_per_s", "gate_mean", "grad_norm"} <= set(first)
     assert len(first["gate_mean"]) == 2 and first["gate_mean"]["layer0"][0] is None and 0 < first["gate_mean"]["layer0"][1] < 1
     assert list((p1 / "logs" / "tb").glob("events.*"))
@@ -113,7 +114,9 @@ def test_nonfinite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, monke
     monkeypatch.setattr(step, "objective", poisoned)
     out = tmp_path / "run"
     with pytest.raises(NonFiniteLoss, match=r"non-finite loss at step 3 .*last good checkpoint is .*step-000002"):
-        run_recipe("tiny-phase1", "tiny-random-ouro", out, progress=False, overrides={**FAST_OVERRIDES, "max_steps": 5})
+        # alpha 1 from the start: every step computes its objective (an alpha = 0 first step computes none)
+        run_recipe("tiny-phase1", "tiny-random-ouro", out, progress=False,
+                   overrides={**FAST_OVERRIDES, "max_steps": 5, "interpolation_steps": 0})
     assert [p.name for p in (out / "checkpoints").iterdir()] == ["step-000002"]
     assert not (out / "model.safetensors").exists()
     w = load_file(out / "checkpoints" / "step-000002" / "state" / "model.safetensors")
