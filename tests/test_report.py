@@ -560,7 +560,6 @@ def test_claims_refuse_a_copied_run_escape_file_text_and_check_every_saved_numbe
     """Issue 69: a copy of a run (cp -r, or its claims.json elsewhere) is not a second run; a brief or a label from a
     file cannot drive the terminal; a saved NaN, Infinity or impossible number is refused and the JSON printed is
     strict."""
-    from melt_eval.files import write_json_atomic
     from melt_eval.jsonio import dumps, write_json_strict
     from melt_eval.report.claims import paper_claims
 
