@@ -158,7 +158,7 @@ def test_two_identical_runs_at_once_do_not_both_write(tmp_path):
     """The issue's case: two `melt-eval run`s into one directory; before locks: 60 lines for 30 problems."""
     cmd = [sys.executable, "-m", "melt_eval.cli", "run", "synthetic", "--model", "tiny-random-ouro", "--samples", "2",
            "--max-problems", "30", "--max-new-tokens", "8", "--output", str(tmp_path), "--no-progress"]
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "PYTHONPATH": str(REPO)}  # the pinned thread count: another would add a note line
     procs = [subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
     outcomes = [(p.wait(timeout=600), p.stderr.read()) for p in procs]
     lines = (tmp_path / "tiny-random-ouro" / "synthetic" / "completions.jsonl").read_text().splitlines()

@@ -282,7 +282,7 @@ print(json.dumps(report))
 def test_kill_9_at_random_points_of_the_save_then_resume_finishes(tmp_path, straight):
     seed = int(time.time())  # the in-save kill points follow it; printed on failure to replay them
     out = tmp_path / "run"
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "PYTHONPATH": str(REPO)}  # the pinned thread count: another would add a note line
     proc = subprocess.run([sys.executable, "-c", KILLER, str(out), json.dumps(FAST), str(seed), "3"], env=env,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, f"seed {seed}: {proc.stdout}{proc.stderr}"
