@@ -233,11 +233,17 @@ def compile_unused(recipe: "Recipe", compile=None) -> str | None:
         return None
     if recipe.target == "exit_gate":
         return f"target exit_gate runs the model frozen, which is never compiled: set compile: false (got {compile})"
+    if compile == "captured" and recipe.gradient_checkpointing:
+        # looplm.run_chunk: a captured step keeps only its inputs and recomputes itself in its backward, so the
+        # checkpointing flag is never read; recorded true, it would claim a setting that changed nothing
+        return ("compile: captured keeps only each (layer, loop) step's inputs and recomputes the step in its "
+                "backward, its own activation checkpoint, so gradient_checkpointing would change nothing: set "
+                "gradient_checkpointing: false")
     if compile is True and recipe.target == "melt" and recipe.chunk_size == 1 and (
             recipe.gradient_checkpointing or recipe.exit_aware_p > 0):
         return ("compile: true at chunk_size 1 compiles each token's whole step, which runs neither under "
                 "gradient_checkpointing nor with exit_aware_p > 0, so the run would be eager: set compile: captured "
-                "(one process) or compile: false")
+                "(one process; it checkpoints each step itself, so with gradient_checkpointing: false) or compile: false")
     return None
 
 
