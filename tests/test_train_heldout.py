@@ -155,6 +155,32 @@ def test_a_run_resumed_between_checks_stops_at_the_same_step_with_the_same_weigh
     _same_weights(load_file(straight / "model.safetensors"), load_file(out / "model.safetensors"))
 
 
+def test_a_run_killed_between_its_stop_and_its_export_resumes_to_the_same_stop(tmp_path, monkeypatch):
+    """A check stopped the run at a step that was also a checkpoint step (save_every 1), and the process died
+    before the export: --resume loaded that checkpoint, which does not say the run had stopped, and trained on to
+    the next check (issue 69, hostile round 6: stopped at 8, finished at 10)."""
+    from melt_eval.training import runner
+
+    _scripted(monkeypatch, stop_at=8)
+    straight = _train(tmp_path / "straight")
+    out = tmp_path / "killed"
+    real_export = runner.export
+
+    def killed(*args, **kwargs):
+        raise SystemExit("killed before the export")
+
+    monkeypatch.setattr(runner, "export", killed)
+    with pytest.raises(SystemExit):
+        _train(out)
+    assert json.loads((out / META_FILE).read_text())["status"] == "running"
+    monkeypatch.setattr(runner, "export", real_export)
+    _train(out, resume=True)
+    a, b = (json.loads((d / META_FILE).read_text()) for d in (straight, out))
+    assert a["steps"] == b["steps"] == 8 and b["heldout"]["stopped_at"] == 8
+    assert [c["step"] for c in b["heldout"]["checks"]] == [2, 4, 6, 8]
+    _same_weights(load_file(straight / "model.safetensors"), load_file(out / "model.safetensors"))
+
+
 def test_a_run_that_never_reaches_the_target_finishes_at_max_steps(tmp_path, monkeypatch):
     steps = _scripted(monkeypatch, stop_at=99)
     out = _train(tmp_path / "run", overrides={"max_steps": 5})

@@ -158,6 +158,11 @@ def _loop(t: Trainee, output: Path, logger: Logger, step: int, tokens_seen: int,
             else:
                 record.pop(GATE_MEANS, None)
             bar.update(task, completed=step, status=status(record))
+            # no checkpoint at the step a held-out check stopped: the run is exported next, and a checkpoint there
+            # would let a kill before the export resume past the stop (the stop is not in the checkpoint); from the
+            # one before, the resumed run redoes the same steps and stops at the same check
+            if stopped:
+                continue
             if (recipe.save_every and step % recipe.save_every == 0) or (step == end_step and step < recipe.max_steps):
                 # this module's name, looked up at each save: tests wrap runner.write_checkpoint
                 trainer_state = {"step": step, "tokens_seen": tokens_seen, "data": t.stream.state_dict()}
