@@ -388,6 +388,34 @@ def test_tiny_models_are_deterministic(tmp_path):
     assert (a / "model.safetensors").read_bytes() == (b / "model.safetensors").read_bytes()
 
 
+
+def test_a_second_concurrent_build_keeps_the_first_in_place_and_replaces_a_damaged_one(tmp_path, monkeypatch):
+    """Two processes building the same tiny model in a fresh MELT_EVAL_HOME at once: both saw no build, so both
+    build. The one that finishes second used to delete the first one's directory (which that process, or a third,
+    may already be loading) and rename its own in; it keeps the first now. A damaged build is still replaced."""
+    from melt_eval.modeling import tiny
+
+    first = tiny.build_tiny_model("tiny-random-ouro", tmp_path)
+    inode = first.stat().st_ino
+    held = (first / "model.safetensors").open("rb")  # what the first builder reads meanwhile
+    real, looks = tiny._intact, []
+
+    def intact(target):  # the second builder's first look found nothing: the first had not renamed yet
+        looks.append(target)
+        return False if len(looks) == 1 else real(target)
+
+    monkeypatch.setattr(tiny, "_intact", intact)
+    assert tiny.build_tiny_model("tiny-random-ouro", tmp_path) == first
+    assert first.stat().st_ino == inode and (first / "model.safetensors").is_file()
+    held.close()
+    assert [p.name for p in tmp_path.iterdir()] == ["tiny-random-ouro"]  # no temporary directory left
+
+    monkeypatch.setattr(tiny, "_intact", real)
+    (first / "model.safetensors").write_bytes(b"cut")
+    assert tiny.build_tiny_model("tiny-random-ouro", tmp_path) == first
+    assert tiny._intact(first) and [p.name for p in tmp_path.iterdir()] == ["tiny-random-ouro"]
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cuda_generation_matches_cpu(looplm, dtype):

@@ -158,10 +158,21 @@ def build_tiny_model(name: str, root: Path) -> Path:
     tok.save_pretrained(tmp)
     stamp = {"version": BUILD_VERSION, "seed": SEED, "name": name, "files": _digests(tmp)}
     (tmp / STAMP).write_text(json.dumps(stamp))
-    if target.exists():
-        shutil.rmtree(target, ignore_errors=True)
+    # Another process building the same model at the same time may have put its build in place while this one
+    # built: keep it. Removing it would pull its files from under that process (or a third), which may be
+    # loading them already; the builds are byte for byte the same.
+    if _intact(target):
+        shutil.rmtree(tmp, ignore_errors=True)
+        return target
+    if target.exists():  # a damaged or older build: moved aside in one rename, never deleted in place
+        old = Path(tempfile.mkdtemp(prefix=f".{name}-old-", dir=target.parent))
+        try:
+            os.replace(target, old / name)
+        except OSError:  # gone meanwhile (another builder moved it aside)
+            pass
+        shutil.rmtree(old, ignore_errors=True)
     try:
         os.replace(tmp, target)
-    except OSError:  # another process won the race
+    except OSError:  # another process put its build in place after the check above: keep that one
         shutil.rmtree(tmp, ignore_errors=True)
     return target
