@@ -20,7 +20,7 @@ import sys
 import threading
 
 from melt_eval import compile_cache, float_path, interrupts  # none imports torch
-from melt_eval.training.launch import PINNED_THREADS, peer_refused, worker_refusal  # nor does this
+from melt_eval.training.launch import PINNED_THREADS, launch_worker, peer_refused, worker_refusal  # nor does this
 
 # torchrun's thread rule for `train --nproc-per-node`'s workers (1 unless the user set it) must tell the pin's value
 # from the user's: the pin's is recorded
@@ -98,7 +98,9 @@ def main() -> None:
     interrupts.install()
     command = next((a for a in sys.argv[1:] if not a.startswith("-")), None)
     launching = any(a.split("=")[0] == "--nproc-per-node" for a in sys.argv[1:])  # its rank 0 says it, as it applies there
-    if (command in COMPUTING and os.environ.get("RANK", "0") == "0" and not launching
+    # a worker of `train --nproc-per-node` says it once its run has passed its checks (runner._train): its refusal
+    # (another writer took the directory between the launch's check and the workers) stays one line
+    if (command in COMPUTING and os.environ.get("RANK", "0") == "0" and not launching and not launch_worker()
             and (line := float_path.notice())):  # once per launch
         typer.secho(line, fg=typer.colors.YELLOW, err=True)
     try:

@@ -29,16 +29,17 @@ Names other code imports from here stay importable from here: `forward_objective
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import torch
 
-from melt_eval import compile_cache, interrupts
+from melt_eval import compile_cache, float_path, interrupts
 from melt_eval.files import DirLock
 from melt_eval.training.build import param_groups, prepare_training
 from melt_eval.training.checkpoints import load_checkpoint, write_checkpoint
 from melt_eval.training.config import Recipe
-from melt_eval.training.launch import accelerator_kwargs, announce_layout, check_fsdp, on_main
+from melt_eval.training.launch import accelerator_kwargs, announce_layout, check_fsdp, launch_worker, on_main
 from melt_eval.training.heldout import HeldoutCheck, held_out_check, held_out_rows
 from melt_eval.training.metrics import Logger, progress_bar, read_metrics, status, trackers
 from melt_eval.training.runs import FINISHED, run_state
@@ -108,6 +109,8 @@ def _train(recipe: Recipe, output: Path, *, resume: bool, progress: bool, stop_a
                                                              verify=verify)
     meta = {**run_meta(recipe, info, trainee.world, mp, trainee.accum), "layout": lay}
     if accelerator.is_main_process:
+        if launch_worker() and (line := float_path.notice()):  # melt_eval.cli leaves it to here: after the checks
+            print(line, file=sys.stderr, flush=True)
         write_run_start(output, recipe, meta)
     logger = Logger(output, accelerator.is_main_process, start_step, accelerator, recipe.to_dict())
     if logger.note:
