@@ -127,6 +127,18 @@ def test_phase1_converts_trains_and_the_checkpoint_reloads_and_generates(tmp_pat
                    overrides={**FAST, "interpolation_steps": 0, "kv_heads": 2})
 
 
+def test_a_kv_heads_that_does_not_divide_the_heads_is_refused_before_the_weights_load(tmp_path, monkeypatch):
+    """Read from the LoopLM's config.json (issue 69, hostile round 6: it was said at conversion, after --from's
+    weights loaded: seconds for the tiny model, the whole load for Ouro-1.4B)."""
+    def no_load(*args, **kwargs):
+        raise AssertionError("the weights were loaded")
+
+    monkeypatch.setattr("melt_eval.modeling.load_model", no_load)
+    with pytest.raises(UserError, match=r"kv_heads must divide the model's 2 key/value heads .*got 3 \(tiny-random-ouro\)"):
+        run_recipe("tiny-phase1", "tiny-random-ouro", tmp_path / "bad", progress=False, overrides={**FAST, "kv_heads": 3})
+    assert not (tmp_path / "bad").exists()
+
+
 @pytest.mark.parametrize("K", [1, 2])
 @pytest.mark.parametrize("alpha,C,align_beta", [(0.3, 3, 0.1), (1.0, 1, 0.0), (0.0, L, 0.1)])
 def test_chunkwise_gradients_equal_the_reference_with_pooled_heads(looplm, batch, K, alpha, C, align_beta):

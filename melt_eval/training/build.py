@@ -8,6 +8,7 @@ learn the wrong thing hours in must not start.
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 from accelerate.utils import DistributedType
@@ -96,6 +97,12 @@ def build_models(recipe: Recipe, verify: bool = True):
                             f"{recipe.from_model} is a MELT checkpoint with {heads} key/value heads")
     elif recipe.phase == 2:
         raise UserError(f"phase 2 continues a phase-1 MELT checkpoint; {recipe.from_model} is a LoopLM (run phase 1 first)")
+    elif recipe.kv_heads is not None:  # the LoopLM's heads from its config.json: a bad K is refused before its weights load
+        config = read_config(from_dir)
+        heads = config.get("num_key_value_heads") or config.get("num_attention_heads")
+        if isinstance(heads, int) and not isinstance(heads, bool) and heads >= 1:  # else the loaders say what is wrong
+            _check_kv_heads(SimpleNamespace(num_key_value_heads=heads, num_attention_heads=config.get("num_attention_heads")),
+                            recipe)
     model, tokenizer = load_model(from_dir, verify=verify)
     teacher = None
     teacher_ref = recipe.teacher
@@ -148,15 +155,21 @@ def _gate_model(recipe: Recipe, from_dir: Path, kind: str, info: dict, verify: b
 def _convert(looplm, recipe: Recipe):
     """The LoopLM as MELT with the recipe's gate, its key/value heads pooled to `kv_heads` if set."""
     from melt_eval.modeling import MeltForCausalLM
-    from melt_eval.modeling.melt import check_kv_heads
 
     if recipe.kv_heads is not None:
-        try:
-            check_kv_heads(looplm.config, recipe.kv_heads)
-        except ValueError as exc:
-            raise UserError(f"{exc} ({recipe.from_model})") from None
+        _check_kv_heads(looplm.config, recipe)
     return MeltForCausalLM.from_looplm(looplm, gate=recipe.gate, seed=recipe.gate_seed, ema_decay=recipe.ema_decay,
                                        kv_heads=recipe.kv_heads)
+
+
+def _check_kv_heads(config, recipe: Recipe) -> None:
+    """kv_heads must divide the LoopLM's key/value heads: one line naming the model."""
+    from melt_eval.modeling.melt import check_kv_heads
+
+    try:
+        check_kv_heads(config, recipe.kv_heads)
+    except ValueError as exc:
+        raise UserError(f"{exc} ({recipe.from_model})") from None
 
 
 def param_groups(model, recipe: Recipe) -> list[dict]:
