@@ -77,16 +77,20 @@ class FakeServer:
                 try:
                     time.sleep(server.delay_s)
                     if number in server.fail:
-                        return self._send(server.fail[number], {"error": {"message": f"scripted failure {number}"}})
-                    if server.fail_prompt_after is not None and number > server.fail_prompt_after:
-                        return self._send(400, {"error": {"message": "This model's maximum context length is 4096"}})
-                    # each sample: a few ids derived from the prompt and seed, so answers are checkable
-                    base = (sum(body["prompt"]) + (body["seed"] or 0)) % 50 + 10
-                    choices = [{"index": i, "text": "ignored", "token_ids": [base, base + i + 1], "finish_reason": "length"}
-                               for i in range(body["n"])]
-                    self._send(200, {"choices": choices, "usage": {"completion_tokens": 2 * body["n"]}, "model": server.name})
+                        reply = server.fail[number], {"error": {"message": f"scripted failure {number}"}}
+                    elif server.fail_prompt_after is not None and number > server.fail_prompt_after:
+                        reply = 400, {"error": {"message": "This model's maximum context length is 4096"}}
+                    else:  # each sample: a few ids derived from the prompt and seed, so answers are checkable
+                        base = (sum(body["prompt"]) + (body["seed"] or 0)) % 50 + 10
+                        choices = [{"index": i, "text": "ignored", "token_ids": [base, base + i + 1],
+                                    "finish_reason": "length"} for i in range(body["n"])]
+                        reply = 200, {"choices": choices, "usage": {"completion_tokens": 2 * body["n"]},
+                                      "model": server.name}
                 finally:
+                    # out of flight before the answer leaves: once the client reads it, it may send the next
+                    # request before this thread runs again, and that one would count as a fourth in flight
                     server.shared.add(-1)
+                self._send(*reply)
 
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
