@@ -1,4 +1,4 @@
-"""Argument types the benchmark scripts share: a value no run could use is argparse's one-line error (exit 2)
+"""Argument types and the parser the benchmark scripts share: a value no run could use is argparse's one-line error (exit 2)
 before anything is built, counted or timed, never a traceback at the end of the work (issue 69).
 
     parser.add_argument("--layers", type=whole(1), default=24)
@@ -10,6 +10,14 @@ from __future__ import annotations
 import argparse
 import math
 from pathlib import Path
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse with its error in one line: argparse prints the usage block above it, a second and third line a
+    user must read past; `--help` still prints the usage."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (--help lists the options)\n")
 
 
 def whole(low: int = 1, high: int | None = None):

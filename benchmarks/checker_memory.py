@@ -12,7 +12,6 @@ with PYTHONPATH on a copy of the package whose sandbox.py and sandbox_launcher.p
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
@@ -23,7 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _args import whole  # noqa: E402
+from _args import Parser, whole  # noqa: E402
 
 from melt_eval.evaluation import sandbox  # noqa: E402
 from melt_eval.evaluation.sandbox import SandboxLimits, run_check  # noqa: E402
@@ -112,7 +111,7 @@ def measure(limits: SandboxLimits) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = Parser(description=__doc__.splitlines()[0])
     # the attack holds up to 320 MiB and answers 16 MiB: a bound far below that measures only the refusal
     parser.add_argument("--bound-mib", type=whole(64, 1 << 20), default=384)
     parser.add_argument("--max-processes", type=whole(2, 4096), default=6, help="the attack forks one child")

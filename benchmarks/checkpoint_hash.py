@@ -11,7 +11,6 @@ bf16 weights (2 bytes per parameter), hashed once at the export and at each `run
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import tempfile
@@ -23,7 +22,7 @@ from safetensors.torch import save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _args import whole  # noqa: E402
+from _args import Parser, whole  # noqa: E402
 
 from melt_eval.files import sha256_file  # noqa: E402
 from melt_eval.registry import get_spec  # noqa: E402
@@ -39,7 +38,7 @@ def best_of(repeats: int, fn) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = Parser(description=__doc__.splitlines()[0])
     parser.add_argument("--mib", type=whole(1, 1 << 20), default=512, help="size of the measured file (MiB)")
     parser.add_argument("--repeats", type=whole(1), default=3)
     args = parser.parse_args()

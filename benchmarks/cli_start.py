@@ -12,7 +12,6 @@ where this user may: `sync; echo 3 > /proc/sys/vm/drop_caches`; otherwise only t
 
 from __future__ import annotations
 
-import argparse
 import ast
 import os
 import statistics
@@ -25,7 +24,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from _args import whole  # noqa: E402
+from _args import Parser, whole  # noqa: E402
 
 COMMANDS = (["--help"], ["tasks"], ["models", "--format", "json"])
 HEAVY = ("torch", "transformers", "lighteval", "vllm")
@@ -71,7 +70,7 @@ def load() -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = Parser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--before", type=Path, default=Path("/tmp/before"), help="checkout of the earlier code")
     parser.add_argument("--before-ref", help="git ref to check out into --before when it is missing")
     parser.add_argument("--runs", type=whole(1), default=7, help="runs per tree and command (the first is the cold one)")

@@ -10,7 +10,6 @@ roundings grow over a run. docs/training.md quotes the figure it printed.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import subprocess
@@ -18,6 +17,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from _args import Parser  # noqa: E402  (benchmarks/: the script's own folder)
 
 MODES = ("false", "true", "captured")
 
@@ -43,7 +43,7 @@ def largest_differences(a: Path, b: Path) -> dict:
 
 
 def main(argv=None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = Parser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=80, help="optimiser steps (the demo's phase 1: 80)")
     ap.add_argument("--out", type=Path, default=None, help="keep the three runs here (default: a temporary directory)")
     ap.add_argument("--json", type=Path, default=None, help="also write the figures here")

@@ -26,6 +26,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from _args import Parser  # noqa: E402  (benchmarks/: the script's own folder)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -75,7 +76,7 @@ def measure(extra: dict, steps: int, problems: int) -> dict:
 
 
 def main(argv=None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = Parser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=6, help="timed training steps per child")
     ap.add_argument("--rounds", type=int, default=2, help="children per kind, the kinds alternating")
     ap.add_argument("--problems", type=int, default=50)

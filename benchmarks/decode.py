@@ -22,7 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _args import device, whole, wholes  # noqa: E402
+from _args import Parser, device, whole, wholes  # noqa: E402
 
 from melt_eval.generation import generate  # noqa: E402
 from melt_eval.generation.options import InferenceOptions  # noqa: E402
@@ -58,7 +58,7 @@ def measure(model, context: int, new: int, batch: int, device) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="small contexts, for a smoke run")
     parser.add_argument("--json", action="store_true", help="print a JSON list instead of a table")
     parser.add_argument("--device", type=device, default="cuda" if torch.cuda.is_available() else "cpu")

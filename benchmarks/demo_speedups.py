@@ -17,7 +17,6 @@ generates the same number of tokens. Ratios are what carry over; the load averag
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import platform
@@ -30,7 +29,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _args import whole  # noqa: E402
+from _args import Parser, whole  # noqa: E402
 
 
 def training_steps(steps: int, rounds: int, sequences: int = 16) -> dict[str, float]:
@@ -107,7 +106,7 @@ def generation(problems: int) -> dict[str, float]:
 
 
 def main(argv=None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = Parser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=whole(1), default=6, help="timed training steps per round and variant")
     ap.add_argument("--rounds", type=whole(1), default=2)
     ap.add_argument("--problems", type=whole(1), default=100)

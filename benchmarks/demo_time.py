@@ -29,6 +29,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from _args import Parser  # noqa: E402  (benchmarks/: the script's own folder)
 
 REPO = Path(__file__).resolve().parents[1]
 LABELS = {"current-first": ("current", "ref"), "ref-first": ("ref", "current")}
@@ -123,7 +124,7 @@ def summarize(records: dict[str, dict], reference_wall: float | None) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = Parser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True, help="a directory for the two demos, their logs and the records")
     ap.add_argument("--ref", default="7111383", help="the commit to time against (default: the code issue 51 timed)")
     ap.add_argument("--seed", type=int, default=0)

@@ -47,7 +47,6 @@ eager and compiled, with graph breaks and recompiles over 64 positions: `benchma
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import os
@@ -65,7 +64,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from _args import output_file, whole, wholes  # noqa: E402
+from _args import Parser, output_file, whole, wholes  # noqa: E402
 
 from melt_eval.modeling import LoopLMConfig, LoopLMForCausalLM, MeltForCausalLM  # noqa: E402
 from melt_eval.training import load_recipe  # noqa: E402
@@ -459,7 +458,7 @@ def decode_section() -> dict:
 
 
 def main(argv=None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = Parser(description=__doc__.split("\n")[0])
     parser.add_argument("--json", type=output_file, help="write the counts here")
     parser.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated, of {', '.join(SECTIONS)}")
     parser.add_argument("--layers", type=whole(1), default=24, help="N (default 24, the paper's); T = 4")

@@ -27,7 +27,6 @@ on any machine, so they are measured here, not timed. What is counted, for Ouro 
 
 from __future__ import annotations
 
-import argparse
 import collections
 import json
 import os
@@ -44,7 +43,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from _args import output_file  # noqa: E402
+from _args import Parser, output_file  # noqa: E402
 
 from melt_eval.generation import decode_step  # noqa: E402
 from melt_eval.generation.decode_step import DecodeStep  # noqa: E402
@@ -222,7 +221,7 @@ def decode_section() -> dict:
 
 
 def main(argv=None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = Parser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--json", type=output_file, default=None, help="write the counts here")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)  # counts do not depend on threads; compilation is lighter on a shared machine

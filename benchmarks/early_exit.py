@@ -32,7 +32,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _args import whole  # noqa: E402
+from _args import Parser, whole  # noqa: E402
 from train_throughput import PRESETS, build  # noqa: E402
 
 from melt_eval.generation import generate  # noqa: E402
@@ -57,7 +57,7 @@ def decode_time(model, prompts, exit_rule, new: int) -> tuple[float, float]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", choices=list(PRESETS), default="tiny")
     parser.add_argument("--batch", type=whole(1), default=16, help="rows decoded together")
     parser.add_argument("--context", type=whole(1), default=100, help="prompt tokens")

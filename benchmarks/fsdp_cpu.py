@@ -12,7 +12,6 @@ forward calls each layer's pieces T times per chunk, not the layer's own forward
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -20,6 +19,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from _args import Parser  # noqa: E402  (benchmarks/: the script's own folder)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -120,7 +120,7 @@ ROWS = 4  # the batch, split evenly over the ranks
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = Parser(description=__doc__.split("\n\n")[0])
     parser.parse_args(argv)  # no options: anything given is refused, not ignored
     world = os.environ.get("WORLD_SIZE")
     if world is None or "MASTER_ADDR" not in os.environ:  # gloo would fail on the missing rendezvous

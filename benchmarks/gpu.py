@@ -81,6 +81,7 @@ from melt_eval.training import load_recipe  # noqa: E402
 from melt_eval.training.config import Recipe  # noqa: E402
 from melt_eval.training.runner import forward_objective, param_groups  # noqa: E402
 from train_throughput import fit_per_chunk  # noqa: E402
+from _args import Parser  # noqa: E402  (benchmarks/: the script's own folder)
 
 # The paper's main run: 160M (phase 1) + 96M (phase 2) tokens in 130 h on 8 H100s = 1,040 GPU-hours.
 PAPER_TOKENS_PER_S_PER_GPU = (160e6 + 96e6) / (1040 * 3600)
@@ -712,7 +713,7 @@ def spawn(name: str, args, slot: float, part: Path) -> dict:
 
 
 def main(argv=None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = Parser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="every measure at tiny shapes (the CPU test; a few minutes)")
     ap.add_argument("--json", type=Path, default=None, help="write the results here (rewritten after every result)")
     ap.add_argument("--budget-s", type=float, default=420.0, help="start nothing that would end after this (default 420)")

@@ -24,7 +24,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _args import whole, wholes  # noqa: E402
+from _args import Parser, whole, wholes  # noqa: E402
 
 from melt_eval.generation import generate  # noqa: E402
 from melt_eval.generation.options import InferenceOptions  # noqa: E402
@@ -45,7 +45,7 @@ def run(model, prompt, options: dict, new: int, batch: int) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--contexts", type=wholes(1), default=(256, 1024))
     parser.add_argument("--new", type=whole(2), default=64)
     parser.add_argument("--batch", type=whole(1), default=4)

@@ -14,7 +14,6 @@ compiled layer step instead (`compile: true`), whose bits follow inductor's fusi
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
@@ -24,7 +23,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import dispatch  # noqa: E402
-from _args import input_file, output_file  # noqa: E402
+from _args import Parser, input_file, output_file  # noqa: E402
 
 STEPS = (3, 4, 5)  # chunks per step
 
@@ -50,7 +49,7 @@ def compare(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> dict:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = Parser(description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     save = sub.add_parser("save", help="train three steps and save the weights")
     save.add_argument("path", type=output_file)

@@ -11,7 +11,6 @@ installed. Report the ratios and the added milliseconds, not the absolute times.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import platform
@@ -25,7 +24,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _args import whole  # noqa: E402
+from _args import Parser, whole  # noqa: E402
 
 from melt_eval.evaluation import sandbox  # noqa: E402
 from melt_eval.evaluation.sandbox import SandboxLimits, describe, run_check, run_python  # noqa: E402
@@ -36,7 +35,7 @@ PROGRAM = f"{CODE}\n{TESTS}\ncheck(add)\n"
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = Parser(description=__doc__.splitlines()[0])
     parser.add_argument("--checks", type=whole(1), default=20)
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()

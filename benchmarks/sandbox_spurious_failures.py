@@ -10,7 +10,6 @@ reaped, made a legitimate `Thread.start()` or `os.fork()` fail with EAGAIN.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
@@ -19,7 +18,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _args import whole  # noqa: E402
+from _args import Parser, whole  # noqa: E402
 
 from melt_eval.evaluation import sandbox  # noqa: E402
 from melt_eval.evaluation.sandbox import SandboxLimits, run_check  # noqa: E402
@@ -31,7 +30,7 @@ CHECK = "def check(candidate):\n    assert candidate(2, 3) == 5\n"
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = Parser(description=__doc__.splitlines()[0])
     parser.add_argument("--checks", type=whole(1), default=100)
     parser.add_argument("--after-bomb", action="store_true", help="a fork bomb's check before each correct one")
     parser.add_argument("--backend", choices=["bwrap", "launcher"], default=None,

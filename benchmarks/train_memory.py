@@ -20,7 +20,6 @@ real step on a GPU.
 
 from __future__ import annotations
 
-import argparse
 import json
 import platform
 import resource
@@ -33,6 +32,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from melt_eval.modeling import LoopLMConfig, LoopLMForCausalLM, MeltForCausalLM  # noqa: E402
+from _args import Parser  # noqa: E402  (benchmarks/: the script's own folder)
 
 TINY = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2, head_dim=64, vocab_size=512)
 OURO_1_4B = dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=24, num_attention_heads=16, head_dim=128,
@@ -182,7 +182,7 @@ def projection(phase: int = 1, seq_len=10_000, chunk=500, checkpointing=True) ->
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = Parser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="L in {400, 800} only, no projection")
     ap.add_argument("--json", action="store_true", help="print the measured rows as a JSON list")
     ap.add_argument("--no-projection", action="store_true", help="skip the paper-shape projection")

@@ -11,7 +11,6 @@ prints both wall times and their ratio (tests/test_ablate.py checks that both wa
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import platform
@@ -23,13 +22,13 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _args import whole  # noqa: E402
+from _args import Parser, whole  # noqa: E402
 
 from melt_eval.experiments import ablations  # noqa: E402
 
 
 def main(argv=None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = Parser(description=__doc__.split("\n\n")[0])
     gates = len(ablations.plan("gates", "tiny"))
     ap.add_argument("--runs", type=whole(1, gates), default=2, help=f"independent phase-1 runs (gate variants, 1..{gates})")
     ap.add_argument("--jobs", type=whole(1, os.cpu_count() or 1), default=2, help="up to the cores")

@@ -20,7 +20,6 @@ forward in its backward: `--checkpointing` gives the other rows activation check
 
 from __future__ import annotations
 
-import argparse
 import copy
 import json
 import platform
@@ -33,7 +32,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _args import device as a_device, whole, wholes  # noqa: E402
+from _args import Parser, device as a_device, whole, wholes  # noqa: E402
 
 from melt_eval.modeling import LoopLMConfig, LoopLMForCausalLM, MeltForCausalLM  # noqa: E402
 from melt_eval.training.config import Recipe  # noqa: E402
@@ -99,7 +98,7 @@ def fit_per_chunk(points: list[tuple[int, float]]) -> tuple[float, float]:
 
 
 def main(argv=None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = Parser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="tiny model, short sequences, 2 timed steps")
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     ap.add_argument("--preset", choices=list(PRESETS), default=None)

@@ -43,7 +43,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _args import number, whole  # noqa: E402
+from _args import Parser, number, whole  # noqa: E402
 
 
 def build_checkpoints(root: Path, hidden: int, layers: int, loops: int, dtype) -> dict[str, str]:
@@ -199,7 +199,7 @@ def machine() -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="small model and budget, for a smoke run")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     parser.add_argument("--hidden", type=whole(64), default=None, help="a multiple of 64 (heads of 64)")

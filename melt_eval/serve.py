@@ -55,13 +55,13 @@ def serve_command(model: str, *, host: str | None = None, port: int = 8000, serv
                   extra: list[str] | None = None, on_cpu: bool | None = None, note=None) -> list[str]:
     """The vLLM server command line for `model` (registry name or checkpoint directory). `prefill_chunk`
     None: what the checkpoint was trained with (`InferenceOptions.for_checkpoint`), told to `note(line)`."""
+    if not 1 <= port <= 65535:  # before the imports (torch) and the model: a TCP port is 16 bits
+        raise UserError(f"--port must be a TCP port from 1 to 65535, got {port}")
     from melt_eval.cache_layout import LOOPED, layout_of
     from melt_eval.jsonio import read_json
     from melt_eval.modeling.loading import checkpoint_model_type, parse_model_ref, resolve_model_dir
     from melt_eval.registry import MODELS
 
-    if not 1 <= port <= 65535:  # before the model is looked up: a TCP port is 16 bits
-        raise UserError(f"--port must be a TCP port from 1 to 65535, got {port}")
     model_dir = resolve_model_dir(model)
     model_type = checkpoint_model_type(model_dir)
     if (loops is not None or kv_sharing or prefill_chunk is not None) and model_type not in LOOPED:

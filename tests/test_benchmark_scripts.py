@@ -1,6 +1,6 @@
 """The scripts under benchmarks/ are tools people run (issue 69, item 7): each refuses an argument no run could use
-in one line (argparse's usage and error, exit 2) before it builds, counts or times anything, and each script that no
-other test runs runs here in its smallest case, so a change that breaks one is seen."""
+in one line (`_args.Parser`: argparse's error without its usage block; exit 2) before it builds, counts or times
+anything, and each script that no other test runs runs here in its smallest case, so a change that breaks one is seen."""
 
 from __future__ import annotations
 
@@ -83,7 +83,9 @@ def test_a_bad_argument_is_refused_in_one_line_before_any_work(name, tmp_path, m
     monkeypatch.setattr(sys, "argv", [f"{name}.py", *(a.replace("{tmp}", str(tmp_path)) for a in BAD[name])])
     with pytest.raises(SystemExit) as exc:
         sys.exit(main())  # demo_time returns its status
-    last = capsys.readouterr().err.strip().splitlines()[-1]
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1, lines  # the error alone, no usage block above it
+    last = lines[0]
     assert exc.value.code == 2 and (last.startswith(f"{name}.py") and ": error: " in last or last.startswith("error: ")), last
     assert not list(tmp_path.iterdir()), "nothing is written before the arguments are checked"
 
@@ -92,7 +94,8 @@ def test_a_refusal_as_a_user_meets_it():
     """The same through a fresh interpreter, for the case issue 69 reported: exit 2, one error line, no traceback."""
     run = script("dispatch", "--layers", "0", timeout=120)
     assert run.returncode == 2 and "Traceback" not in run.stderr, run.stderr[-3000:]
-    assert run.stderr.strip().splitlines()[-1] == "dispatch.py: error: argument --layers: must be a whole number of at least 1, got '0'"
+    assert run.stderr.strip().splitlines() == [
+        "dispatch.py: error: argument --layers: must be a whole number of at least 1, got '0' (--help lists the options)"]
 
 
 def test_dispatch_refuses_depths_it_cannot_count_and_a_json_it_cannot_write(tmp_path, capsys):

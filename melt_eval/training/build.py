@@ -55,7 +55,7 @@ def build_models(recipe: Recipe, verify: bool = True):
     """(student, teacher or None, tokenizer, provenance dict) for the recipe. verify: check checkpoint
     directories (--from, the teacher) against their SHA256SUMS (False: `train --no-verify`)."""
     from melt_eval.modeling import LoopLMConfig, LoopLMForCausalLM, MeltForCausalLM, load_model
-    from melt_eval.modeling.loading import (check_config_size, checkpoint_model_type, load_tokenizer, read_config,
+    from melt_eval.modeling.loading import (check_config_size, checkpoint_model_type, load_tokenizer,
                                             resolve_model_dir)
 
     if not recipe.from_model:
@@ -87,22 +87,7 @@ def build_models(recipe: Recipe, verify: bool = True):
 
     if recipe.from_scratch or recipe.model_overrides:
         raise UserError("from_scratch/model_overrides are for target looplm; MELT starts from a trained model")
-    if kind == "melt":  # what config.json and the run's record say is refused before any weight loads
-        if recipe.teacher is None and recorded_teacher(from_dir) is None and recipe.needs_teacher():
-            raise UserError(f"{recipe.from_model} is a MELT checkpoint with no recorded teacher; pass --teacher <the original LoopLM>")
-        config = read_config(from_dir)
-        heads = config.get("num_key_value_heads") or config.get("num_attention_heads")
-        if recipe.kv_heads is not None and recipe.kv_heads != heads:
-            raise UserError(f"kv_heads: {recipe.kv_heads} pools a LoopLM's heads when converting it (phase 1); "
-                            f"{recipe.from_model} is a MELT checkpoint with {heads} key/value heads")
-    elif recipe.phase == 2:
-        raise UserError(f"phase 2 continues a phase-1 MELT checkpoint; {recipe.from_model} is a LoopLM (run phase 1 first)")
-    elif recipe.kv_heads is not None:  # the LoopLM's heads from its config.json: a bad K is refused before its weights load
-        config = read_config(from_dir)
-        heads = config.get("num_key_value_heads") or config.get("num_attention_heads")
-        if isinstance(heads, int) and not isinstance(heads, bool) and heads >= 1:  # else the loaders say what is wrong
-            _check_kv_heads(SimpleNamespace(num_key_value_heads=heads, num_attention_heads=config.get("num_attention_heads")),
-                            recipe)
+    _check_melt_start(recipe, from_dir, kind)
     model, tokenizer = load_model(from_dir, verify=verify)
     teacher = None
     teacher_ref = recipe.teacher
@@ -150,6 +135,28 @@ def _gate_model(recipe: Recipe, from_dir: Path, kind: str, info: dict, verify: b
     info.update(teacher=meta.get("teacher"), teacher_path=meta.get("teacher_path"),
                 model_recipe=meta.get("model_recipe") or meta.get("recipe"))
     return model, None, tokenizer, info
+
+
+def _check_melt_start(recipe: Recipe, from_dir: Path, kind: str) -> None:
+    """What config.json and the run's record say about a MELT target's start, refused before any weight loads."""
+    from melt_eval.modeling.loading import read_config
+
+    if kind == "melt":
+        if recipe.teacher is None and recorded_teacher(from_dir) is None and recipe.needs_teacher():
+            raise UserError(f"{recipe.from_model} is a MELT checkpoint with no recorded teacher; pass --teacher <the original LoopLM>")
+        config = read_config(from_dir)
+        heads = config.get("num_key_value_heads") or config.get("num_attention_heads")
+        if recipe.kv_heads is not None and recipe.kv_heads != heads:
+            raise UserError(f"kv_heads: {recipe.kv_heads} pools a LoopLM's heads when converting it (phase 1); "
+                            f"{recipe.from_model} is a MELT checkpoint with {heads} key/value heads")
+    elif recipe.phase == 2:
+        raise UserError(f"phase 2 continues a phase-1 MELT checkpoint; {recipe.from_model} is a LoopLM (run phase 1 first)")
+    elif recipe.kv_heads is not None:  # the LoopLM's heads from its config.json: a bad K is refused before its weights load
+        config = read_config(from_dir)
+        heads = config.get("num_key_value_heads") or config.get("num_attention_heads")
+        if isinstance(heads, int) and not isinstance(heads, bool) and heads >= 1:  # else the loaders say what is wrong
+            _check_kv_heads(SimpleNamespace(num_key_value_heads=heads, num_attention_heads=config.get("num_attention_heads")),
+                            recipe)
 
 
 def _convert(looplm, recipe: Recipe):

@@ -232,7 +232,8 @@ def compile_unused(recipe: "Recipe", compile=None) -> str | None:
     if not compile:
         return None
     if recipe.target == "exit_gate":
-        return f"target exit_gate runs the model frozen, which is never compiled: set compile: false (got {compile})"
+        spelled = str(compile).lower()  # as a recipe spells it: true, captured
+        return f"target exit_gate runs the model frozen, which is never compiled: set compile: false (got {spelled})"
     if compile == "captured" and recipe.gradient_checkpointing:
         # looplm.run_chunk: a captured step keeps only its inputs and recomputes itself in its backward, so the
         # checkpointing flag is never read; recorded true, it would claim a setting that changed nothing

@@ -168,7 +168,7 @@ def check_resume_world(ckpt, saved: int, world: int, recipe) -> None:
     if saved != world and sequences(saved) != sequences(world):
         raise UserError(f"--resume: {ckpt.name} was written by {saved} process{'es' if saved > 1 else ''} "
                         f"({sequences(saved)} sequences per step) and this run has {world} ({sequences(world)} per step); "
-                        f"resume it with {saved} processes (melt-eval train --nproc-per-node {saved} ...)")
+                        f"resume it with {saved} process{'es' if saved > 1 else ''} (melt-eval train --nproc-per-node {saved} ...)")
 
 
 def check_compile(recipe, world: int) -> None:
