@@ -353,6 +353,7 @@ def test_train_from_a_harness_model_without_its_sums_needs_no_verify_which_then_
     assert _main([*train, "--output", tmp_path / "unchecked", "--no-verify"]) == 0
     meta = json.loads((tmp_path / "unchecked" / TRAINING_META).read_text())
     assert meta["status"] == "finished" and meta["from_path"] == str(model)
+    assert meta["checksums_checked"] is False  # the record says the weights it started from were not checked
 
 
 @pytest.mark.parametrize("flags, message", [

@@ -61,7 +61,7 @@ def build_models(recipe: Recipe, verify: bool = True):
     if not recipe.from_model:
         raise UserError("no starting model: pass --from MODEL (a registry name or checkpoint directory)")
     from_dir = resolve_model_dir(recipe.from_model, verify=verify)
-    info = {"from_model": recipe.from_model, "from_path": str(from_dir)}
+    info = {"from_model": recipe.from_model, "from_path": str(from_dir), "checksums_checked": verify}
     kind = checkpoint_model_type(from_dir)
 
     if recipe.target == "exit_gate":

@@ -102,8 +102,11 @@ def run_meta(recipe: Recipe, info: dict, world: int, mixed_precision: str, accum
     """META_FILE's contents while the run is going (`status` becomes "finished" at the export)."""
     return {"status": "running", "recipe": recipe.to_dict(), "phase": recipe.phase, "target": recipe.target,
             "teacher": info.get("teacher"), "teacher_path": info.get("teacher_path"), "from_model": info["from_model"],
-            "from_path": info["from_path"], "code": code_version(), "float_path": float_path.describe(), "world_size": world, "mixed_precision": mixed_precision,
-            "grad_accum_steps": accum,
+            "from_path": info["from_path"],
+            # False: `--no-verify` loaded --from (and the teacher) without their SHA256SUMS
+            "checksums_checked": info.get("checksums_checked", True),
+            "code": code_version(), "float_path": float_path.describe(), "world_size": world,
+            "mixed_precision": mixed_precision, "grad_accum_steps": accum,
             # target exit_gate: the weights are those of from_model, trained by ITS recipe, with the gate fitted
             **({"exit_gate": "fitted", "model_recipe": info.get("model_recipe")} if recipe.target == "exit_gate" else {})}
 
