@@ -19,12 +19,9 @@ if "MELT_EVAL_HOME" not in os.environ:  # a throw-away home, removed when the se
 
 # The float path every command pins (melt_eval/float_path.py), set before torch loads, so that tests calling the
 # library in this process compute as the commands they start do.
-from melt_eval import compile_cache, float_path  # noqa: E402  (neither imports torch)
+from melt_eval import float_path  # noqa: E402  (imports no torch)
 
 float_path.pin()
-# Inductor's cache where the commands put it (under the session's MELT_EVAL_HOME), so a graph compiled by a test in
-# this process is a cache hit for the commands its subprocess tests start, and the reverse.
-compile_cache.pin()
 
 REPO = Path(__file__).resolve().parents[1]
 
