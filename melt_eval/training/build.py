@@ -141,22 +141,21 @@ def _check_melt_start(recipe: Recipe, from_dir: Path, kind: str) -> None:
     """What config.json and the run's record say about a MELT target's start, refused before any weight loads."""
     from melt_eval.modeling.loading import read_config
 
-    if kind == "melt":
-        if recipe.teacher is None and recorded_teacher(from_dir) is None and recipe.needs_teacher():
-            raise UserError(f"{recipe.from_model} is a MELT checkpoint with no recorded teacher; pass --teacher <the original LoopLM>")
-        config = read_config(from_dir)
-        heads = config.get("num_key_value_heads") or config.get("num_attention_heads")
-        if recipe.kv_heads is not None and recipe.kv_heads != heads:
+    if kind != "melt" and recipe.phase == 2:
+        raise UserError(f"phase 2 continues a phase-1 MELT checkpoint; {recipe.from_model} is a LoopLM (run phase 1 first)")
+    if kind == "melt" and recipe.teacher is None and recorded_teacher(from_dir) is None and recipe.needs_teacher():
+        raise UserError(f"{recipe.from_model} is a MELT checkpoint with no recorded teacher; pass --teacher <the original LoopLM>")
+    if recipe.kv_heads is None:
+        return
+    config = read_config(from_dir)
+    heads = config.get("num_key_value_heads") or config.get("num_attention_heads")
+    if kind == "melt":  # its heads were pooled at conversion: kv_heads can only name what it has
+        if recipe.kv_heads != heads:
             raise UserError(f"kv_heads: {recipe.kv_heads} pools a LoopLM's heads when converting it (phase 1); "
                             f"{recipe.from_model} is a MELT checkpoint with {heads} key/value heads")
-    elif recipe.phase == 2:
-        raise UserError(f"phase 2 continues a phase-1 MELT checkpoint; {recipe.from_model} is a LoopLM (run phase 1 first)")
-    elif recipe.kv_heads is not None:  # the LoopLM's heads from its config.json: a bad K is refused before its weights load
-        config = read_config(from_dir)
-        heads = config.get("num_key_value_heads") or config.get("num_attention_heads")
-        if isinstance(heads, int) and not isinstance(heads, bool) and heads >= 1:  # else the loaders say what is wrong
-            _check_kv_heads(SimpleNamespace(num_key_value_heads=heads, num_attention_heads=config.get("num_attention_heads")),
-                            recipe)
+    elif isinstance(heads, int) and not isinstance(heads, bool) and heads >= 1:  # else the loaders say what is wrong
+        _check_kv_heads(SimpleNamespace(num_key_value_heads=heads, num_attention_heads=config.get("num_attention_heads")),
+                        recipe)
 
 
 def _convert(looplm, recipe: Recipe):
