@@ -20,12 +20,8 @@ import sys
 import threading
 
 from melt_eval import compile_cache, float_path, interrupts  # none imports torch
-from melt_eval.training.launch import PINNED_THREADS, launch_worker, peer_refused, worker_refusal  # nor does this
+from melt_eval.training.launch import launch_worker, peer_refused, worker_refusal  # nor does this
 
-# torchrun's thread rule for `train --nproc-per-node`'s workers (1 unless the user set it) must tell the pin's value
-# from the user's: the pin's is recorded
-if float_path.pinned() and float_path.THREADS_VARIABLE not in os.environ:
-    os.environ[PINNED_THREADS] = str(float_path.THREADS)
 # Before anything loads torch: the kernels, MKL branch and thread count every command computes with, inherited by
 # every process it starts (melt_eval/float_path.py).
 float_path.pin()

@@ -29,6 +29,9 @@ SWITCH = "MELT_EVAL_FLOAT_PATH"  # "native": no pin
 PINNED = {"ATEN_CPU_CAPABILITY": "avx2", "MKL_CBWR": "AVX2"}
 THREADS = 2  # a command's intra-op threads; more cores change nothing, fewer only run slower
 THREADS_VARIABLE = "OMP_NUM_THREADS"  # read by torch (and MKL) when they load
+# the variables pin() set (not the user), inherited with them: torchrun's thread rule for a launch's workers (1
+# unless the user set OMP_NUM_THREADS) must tell the pin's value from a user's
+SET_BY_PIN = "MELT_EVAL_FLOAT_PATH_SET"
 PUBLISHED_TORCH = "2.13.0+cpu"  # the build (and its bundled MKL) the published numbers were computed with
 # MKL's code branches (mkl_cbwr.h): what `mkl_serv_cbwr_get` reports; on a non-Intel CPU MKL takes AUTO for AVX2
 MKL_BRANCHES = {1: "OFF", 2: "AUTO", 3: "COMPATIBLE", 4: "SSE2", 8: "SSE4_2", 9: "AVX", 10: "AVX2", 12: "AVX512",
@@ -43,9 +46,18 @@ def pin() -> None:
     """Set the float path in the environment, before torch loads; a variable the user set keeps its value."""
     if not pinned():
         return
-    for name, value in PINNED.items():
-        os.environ.setdefault(name, value)
-    os.environ.setdefault(THREADS_VARIABLE, str(THREADS))
+    ours = set(filter(None, os.environ.get(SET_BY_PIN, "").split(",")))
+    for name, value in dict(PINNED, **{THREADS_VARIABLE: str(THREADS)}).items():
+        if name not in os.environ:
+            os.environ[name] = value
+            ours.add(name)
+    if ours:
+        os.environ[SET_BY_PIN] = ",".join(sorted(ours))
+
+
+def set_by_user(name: str) -> bool:
+    """Whether the environment's value of `name` is the user's own (not one pin() set, here or in a parent)."""
+    return name in os.environ and name not in os.environ.get(SET_BY_PIN, "").split(",")
 
 
 def cpu_flags() -> set[str]:

@@ -110,9 +110,14 @@ def test_a_users_own_setting_wins_and_the_switch_turns_the_pin_off(monkeypatch):
     for name in PIN_VARIABLES:
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("OMP_NUM_THREADS", "7")
+    monkeypatch.delenv(float_path.SET_BY_PIN, raising=False)
     float_path.pin()
     assert os.environ["OMP_NUM_THREADS"] == "7" and os.environ["ATEN_CPU_CAPABILITY"] == "avx2"
     assert "OMP_NUM_THREADS=7 overrides the pinned float path" in float_path.notice()
+    # what the pin set is told from the user's own, in this process and in a child that pins again
+    assert float_path.set_by_user("OMP_NUM_THREADS") and not float_path.set_by_user("ATEN_CPU_CAPABILITY")
+    float_path.pin()
+    assert not float_path.set_by_user("MKL_CBWR") and not float_path.set_by_user("ONEDNN_MAX_CPU_ISA")
 
     for name in PIN_VARIABLES:
         monkeypatch.delenv(name, raising=False)

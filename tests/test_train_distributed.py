@@ -127,7 +127,7 @@ def test_the_harness_launch_gives_one_process_result(one_process, tmp_path):
     torchrun's thread rule (a user who set no OMP_NUM_THREADS gets 1 per worker, not the command line's pinned 2),
     and the one process's losses and gradient norms."""
     recipe, start, overrides = RUNS["phase1"]
-    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "MELT_EVAL_PINNED_THREADS")}
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])
     args = ["train", "--recipe", recipe, "--from", start, "--output", str(tmp_path / "p2"), "--no-progress",
             "--nproc-per-node", "2", *[a for k, v in overrides.items() for a in ("--set", f"{k}={json.dumps(v)}")]]

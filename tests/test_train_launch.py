@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from melt_eval import float_path
 from melt_eval.cli import app, main
 from melt_eval.files import DirLock
 from melt_eval.training import launch, launcher
@@ -185,8 +186,8 @@ def test_ctrl_c_is_one_line(tmp_path, monkeypatch, capsys, fake_launch):
 def test_workers_get_torchruns_threads(tmp_path, monkeypatch, capsys, fake_launch, user, nproc, workers):
     """torchrun's rule, unchanged: 1 thread per worker of several unless the user set OMP_NUM_THREADS; the
     command line's own pin (2) is not the user's setting. One worker pins its own, as under torchrun."""
-    monkeypatch.setenv(launch.PINNED_THREADS, "2")
     monkeypatch.setenv("OMP_NUM_THREADS", user or "2")
+    monkeypatch.setenv(float_path.SET_BY_PIN, "ATEN_CPU_CAPABILITY,MKL_CBWR" + ("" if user else ",OMP_NUM_THREADS"))
     fake = fake_launch("ok")
     code, _ = run(monkeypatch, capsys, train_args(tmp_path / "run", nproc=nproc))
     assert code == 0 and fake.seen["threads"] == workers
@@ -199,7 +200,7 @@ def test_a_refusal_only_the_workers_find_is_one_line(tmp_path):
     torchrun's one thread, and rank 0's note that this leaves the pinned float path came first (2 lines, issue 69
     hostile round 6: a one-process run that took the directory between the launch's check and the workers); it
     is said once the run has passed its checks."""
-    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", launch.PINNED_THREADS)}
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])
     args = train_args(tmp_path / "run")
     args[args.index("tiny-random-ouro")] = "nosuch-model"

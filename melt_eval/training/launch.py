@@ -24,8 +24,6 @@ from melt_eval.errors import UserError
 
 WORLD_ENV = ("WORLD_SIZE", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE")
 LAUNCH_ERRORS = "MELT_EVAL_LAUNCH_ERRORS"  # set by `train --nproc-per-node` for its workers: where a refusal goes
-# the OMP_NUM_THREADS that melt_eval.cli's pin set (absent where the user set it): torchrun's rule for workers
-PINNED_THREADS = "MELT_EVAL_PINNED_THREADS"
 THREADS = "OMP_NUM_THREADS"
 NPROC_FLAG = "--nproc-per-node"
 CAPTURED_WITH_SEVERAL = ("compile: captured adds the weights' gradients into .grad itself, which DDP and FSDP "

@@ -11,8 +11,9 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from melt_eval import float_path
 from melt_eval.errors import UserError
-from melt_eval.training.launch import (LAUNCH_ERRORS, NPROC_FLAG, PINNED_THREADS, THREADS, check_compile, check_fsdp,
+from melt_eval.training.launch import (LAUNCH_ERRORS, NPROC_FLAG, THREADS, check_compile, check_fsdp,
                                        check_resume_world, launched_world)
 
 
@@ -103,7 +104,7 @@ def start_workers(nproc: int, argv: list[str]) -> None:
     from melt_eval import interrupts
     from melt_eval.registry import cache_home
 
-    user = os.environ.get(THREADS) if os.environ.get(THREADS) != os.environ.get(PINNED_THREADS) else None
+    user = os.environ[THREADS] if float_path.set_by_user(THREADS) else None
     threads = user or ("1" if nproc > 1 else None)  # torchrun's rule; one process pins its own (float_path)
     saved_env = {k: os.environ.get(k) for k in (THREADS, LAUNCH_ERRORS)}
     # the launcher takes these signals over and leaves its handler behind
