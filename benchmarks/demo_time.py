@@ -95,13 +95,14 @@ def load_record(saved: Path, label: str, commit: str, seed: int, quick: bool) ->
     except (OSError, UnicodeDecodeError, ValueError) as e:
         raise Refused(f"{saved} is not a readable record ({type(e).__name__}); {again}") from None
     wall = record.get("wall_s") if isinstance(record, dict) else None
-    if not _seconds(wall):
-        raise Refused(f"{saved} holds no wall time in seconds from {MIN_WALL} to {MAX_WALL:g} (wall_s {wall!r}); {again}")
+    if not _seconds(wall):  # the file's values are quoted as JSON spells them (true, not True)
+        raise Refused(f"{saved} holds no wall time in seconds from {MIN_WALL} to {MAX_WALL:g} "
+                      f"(wall_s {json.dumps(wall)}); {again}")
     # exact types: true == 1 and 1.0 == 1 would pass a record of another demo
     if type(record.get("seed")) is not int or type(record.get("quick")) is not bool or \
             (record["seed"], record["quick"]) != (seed, quick):
-        raise Refused(f"{saved} timed another demo (seed {record.get('seed')!r}, quick {record.get('quick')!r}); "
-                      "pass another --out")
+        raise Refused(f"{saved} timed another demo (seed {json.dumps(record.get('seed'))}, "
+                      f"quick {json.dumps(record.get('quick'))}); pass another --out")
     if record.get("commit") != commit:
         raise Refused(f"{saved} timed commit {str(record.get('commit'))[:12]}, not {commit[:12]}; {again}")
     return record

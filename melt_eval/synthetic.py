@@ -268,6 +268,14 @@ FORMS = {"variables": (make_problem, len(VARIABLES) - 1), "digits": (make_digit_
          "lookup2": (_make_lookup2_problem, 9)}
 
 
+class TooFewProblems(ValueError):
+    """A split's problem space holds fewer distinct problems than were asked for; `found` is how many it gave."""
+
+    def __init__(self, message: str, found: int):
+        super().__init__(message)
+        self.found = found
+
+
 def make_split(split: str, n: int, seed: int = 0, *, num_steps: int | tuple[int, int] = 2, max_value: int = 9,
                form: str = "variables") -> list[dict]:
     """`n` distinct problems of `split` ("train" or "test") as {"problem", "answer", "solution"}.
@@ -275,7 +283,7 @@ def make_split(split: str, n: int, seed: int = 0, *, num_steps: int | tuple[int,
     num_steps: an int, or (lo, hi) to draw each problem's step count uniformly from lo..hi.
     form: "variables" (variable tracking, `make_problem`), "digits" (a last-digit chain, `make_digit_problem`)
     or "digit-sum" (a chain of one-token digits, `make_digit_sum_problem`).
-    Raises ValueError if the split's problem space has fewer than `n` distinct problems.
+    Raises TooFewProblems (a ValueError) if the split's problem space has fewer than `n` distinct problems.
     """
     if split not in SPLITS:
         raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
@@ -293,7 +301,8 @@ def make_split(split: str, n: int, seed: int = 0, *, num_steps: int | tuple[int,
     while len(out) < n:
         attempts += 1
         if attempts > 50 * n + 10_000:
-            raise ValueError(f"cannot draw {n} distinct {split} problems with num_steps={num_steps}, max_value={max_value}")
+            raise TooFewProblems(f"cannot draw {n} distinct {split} problems with num_steps={num_steps}, "
+                                 f"max_value={max_value} (found {len(out)})", len(out))
         item = make(rng, rng.randint(lo, hi), max_value)
         if item["problem"] in seen or _bucket(item["problem"]) != split:
             continue

@@ -63,10 +63,10 @@ def test_a_saved_record_of_another_demo_is_refused_not_mixed_into_the_ratio(tmp_
     assert demo_time.main(["--out", str(tmp_path), "--seed", "-1"]) == 2
     capsys.readouterr()
     # issue 69: a seed of true is not seed 1, a quick of 0 not false
-    for seed, quick in ((True, False), (1.0, False), (1, 0)):
+    for seed, quick, said in ((True, False, "seed true, quick false"), (1.0, False, "seed 1.0"), (1, 0, "seed 1, quick 0")):
         for label in ("current", "ref"):
             (tmp_path / f"{label}.json").write_text(json.dumps(record(label, 1000.0, seed=seed, quick=quick)))
-        assert "timed another demo" in refused(capsys, "--out", str(tmp_path), "--seed", "1")
+        assert f"timed another demo ({said}" in refused(capsys, "--out", str(tmp_path), "--seed", "1")
 
 
 def test_a_saved_record_of_other_code_or_without_a_usable_time_is_refused_before_any_demo(tmp_path, capsys):

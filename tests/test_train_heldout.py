@@ -211,7 +211,7 @@ TRAIN_ONE_STEP = ["train", "--recipe", "tiny-phase1", "--from", "tiny-random-our
 
 @pytest.mark.parametrize("problems, message", [
     (10**20, "more than a held-out split holds (at most 10000)"),  # drew forever: the hang of issue 69
-    (24, "fewer than 24 problems beside its 100 test problems"),  # tiny-phase1's split holds 23
+    (24, "fewer than 24 problems beside its 100 test problems (23 found); lower stop_at_heldout.problems to 23"),
 ], ids=["absurd", "one-too-many"])
 def test_problems_beyond_the_split_are_one_line_before_the_model_loads(tmp_path, capsys, monkeypatch, problems, message):
     from melt_eval.training import runner
@@ -225,6 +225,6 @@ def test_problems_beyond_the_split_are_one_line_before_the_model_loads(tmp_path,
     out = tmp_path / "run"
     spec = f"stop_at_heldout={{loops: 4, target: 0.5, every: 1, problems: {problems}}}"
     code = main_exit_code([*TRAIN_ONE_STEP, "--set", spec, "--output", out])
-    one_line_error(capsys, code, message, "lower stop_at_heldout.problems")
+    one_line_error(capsys, code, message, "lower stop_at_heldout.problems")  # tiny-phase1's split holds 23
     assert not (out / "recipe.yaml").exists() and not (out / META_FILE).exists()
     assert not (out / ".melt-eval.lock").exists()  # the lock is released with the refusal
