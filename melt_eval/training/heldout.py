@@ -84,9 +84,9 @@ def heldout_rows(src: dict, problems: int) -> list[dict]:
         rows = synthetic.make_split("test", skip + problems, seed=0, **opts)[skip:]
     except synthetic.TooFewProblems as e:
         left = max(e.found - skip, 0)
+        lower = f"lower stop_at_heldout.problems to {left} or fewer, or " if left else ""
         raise UserError(f"stop_at_heldout: the {opts['form']} task has fewer than {problems} problems beside its "
-                        f"{skip} test problems ({left} found); lower stop_at_heldout.problems to {left} or fewer, or "
-                        "set stop_at_heldout: null") from None
+                        f"{skip} test problems ({left} found); {lower}set stop_at_heldout: null") from None
     test_problems = {r["problem"] for t in tests for r in synthetic.make_split("test", **t)}
     rows = [r for r in rows if r["problem"] not in test_problems]
     if len(rows) < problems:  # a test task drawn with another seed took some: never score on a test problem
