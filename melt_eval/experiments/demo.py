@@ -225,50 +225,50 @@ def _run_demo(output: Path, quick: bool, progress: bool, seed: int, threads: int
     }
     summary["published"] = None if quick else published_match(seed, output / "report" / "claims.json")
     write_json_atomic(output / "demo.json", summary)
-    if progress:
-        tables = [t for t in report["tables"] if t.key not in ("main", "claims")]
-        print_tables(tables)
-        _heading("The paper's ablation tables, for comparison:")
-        print_tables(paper_tables)
-        for f in summary["files"]:
-            _echo(f"wrote {f}")
-        load = summary["load_average"]
-        _echo(f"demo finished in {summary['wall_time_s']:.0f} s ({', '.join(f'{k} {v:.0f} s' for k, v in stages.items())}); "
-              f"1-minute load average {load['start'][0]:.1f} at the start, {load['end'][0]:.1f} at the end")
-        train_s, eval_s = (sum(v for v in work[k].values() if v) for k in ("training_steps", "generation"))
-        _echo(f"the work in it (demo.json work_s): training steps {train_s:.0f} s over {len(work['training_steps'])} runs, "
-              f"generation {eval_s:.0f} s over {len(work['generation'])} evaluations, side by side on {jobs} "
-              f"job{'s' if jobs > 1 else ''} (a cached run or evaluation counts its first time)")
-        _echo(f"pass@1 on the synthetic test split: teacher (ouro-tiny) {100 * summary['teacher_pass@1']:.1f}%, "
-              f"MELT (melt-tiny) {100 * summary['melt_pass@1']:.1f}%"
-              + ("" if quick or TEACHER_AIM[0] <= summary["teacher_pass@1"] <= TEACHER_AIM[1]
-                 else f" (the full demo aims its teacher at {100 * TEACHER_AIM[0]:.0f}-{100 * TEACHER_AIM[1]:.0f}%)"))
-        stop = summary["teacher_stop"]
-        if stop:
-            _echo(f"teacher stopped by its held-out pass@1 at step {stop['stopped_at']} (checks: "
-                  + ", ".join(f"{c['step']}: {100 * c['pass@1']:.0f}%" for c in stop["checks"]) + ")"
-                  if stop["stopped_at"] else f"teacher never reached its held-out target; trained to its last step "
-                  f"({len(stop['checks'])} held-out check{'' if len(stop['checks']) == 1 else 's'})")
-        _echo(f"reply loss at each loop, teacher-forced on {SEQUENCES} training chats (demo.json loop_profile): "
-              + "; ".join(f"{name} {summary_line(rows)}" for name, rows in profiles.items()))
-        _echo("gate z at loops 2-4 at the end of training, mean over layers (demo.json gate_profile): "
-              + "; ".join(f"{name} {' / '.join(f'{z:.2f}' for z in zs)}" for name, zs in gate_profile.items() if zs))
-        _echo("teacher (ouro-tiny) pass@1 at T = " + ", ".join(f"{t}: {100 * v:.1f}%" for t, v in summary["teacher_pass@1_by_loops"].items()))
-        if summary["beyond_paper"]:
-            _echo_beyond(summary["beyond_paper"])
-        _heading("The paper's claims, checked against these results (report/claims.json):")
-        for c in claims:  # one line each: readable in a log as on a terminal
-            mark = {True: "\u2713", False: "\u2717", None: "n/a"}[c.holds]
-            paper = "" if c.paper_holds is None else f"; the paper's numbers: {c.paper} " + ("\u2713" if c.paper_holds else "\u2717")
-            _echo(f"  {mark} {c.claim}: {c.measured or 'not run'} (needs {c.threshold}{paper})")
-        close = summary["close_calls"]
-        _echo(f"{summary['claims_hold']} of {summary['claims']} claims hold" + (" (--quick: its numbers mean nothing)" if quick else "")
-              + (f"; {len(close)} {'verdict rests' if len(close) == 1 else 'verdicts rest'} on a gap under {NOISE:g} standard "
-                 f"errors, which a rerun at another seed or on another machine's floats could turn: {'; '.join(close)}"
-                 if close else ""))
-        _echo(f"the same claims across seeds: melt-eval demo --seed N --output DIR, then melt-eval claims {output} DIR ...")
-        if summary["published"] is not None:
-            _echo(summary["published"]["line"])
+    # the results are printed with or without progress bars (--no-progress is for logs, which want them most)
+    tables = [t for t in report["tables"] if t.key not in ("main", "claims")]
+    print_tables(tables)
+    _heading("The paper's ablation tables, for comparison:")
+    print_tables(paper_tables)
+    for f in summary["files"]:
+        _echo(f"wrote {f}")
+    load = summary["load_average"]
+    _echo(f"demo finished in {summary['wall_time_s']:.0f} s ({', '.join(f'{k} {v:.0f} s' for k, v in stages.items())}); "
+          f"1-minute load average {load['start'][0]:.1f} at the start, {load['end'][0]:.1f} at the end")
+    train_s, eval_s = (sum(v for v in work[k].values() if v) for k in ("training_steps", "generation"))
+    _echo(f"the work in it (demo.json work_s): training steps {train_s:.0f} s over {len(work['training_steps'])} runs, "
+          f"generation {eval_s:.0f} s over {len(work['generation'])} evaluations, side by side on {jobs} "
+          f"job{'s' if jobs > 1 else ''} (a cached run or evaluation counts its first time)")
+    _echo(f"pass@1 on the synthetic test split: teacher (ouro-tiny) {100 * summary['teacher_pass@1']:.1f}%, "
+          f"MELT (melt-tiny) {100 * summary['melt_pass@1']:.1f}%"
+          + ("" if quick or TEACHER_AIM[0] <= summary["teacher_pass@1"] <= TEACHER_AIM[1]
+             else f" (the full demo aims its teacher at {100 * TEACHER_AIM[0]:.0f}-{100 * TEACHER_AIM[1]:.0f}%)"))
+    stop = summary["teacher_stop"]
+    if stop:
+        _echo(f"teacher stopped by its held-out pass@1 at step {stop['stopped_at']} (checks: "
+              + ", ".join(f"{c['step']}: {100 * c['pass@1']:.0f}%" for c in stop["checks"]) + ")"
+              if stop["stopped_at"] else f"teacher never reached its held-out target; trained to its last step "
+              f"({len(stop['checks'])} held-out check{'' if len(stop['checks']) == 1 else 's'})")
+    _echo(f"reply loss at each loop, teacher-forced on {SEQUENCES} training chats (demo.json loop_profile): "
+          + "; ".join(f"{name} {summary_line(rows)}" for name, rows in profiles.items()))
+    _echo("gate z at loops 2-4 at the end of training, mean over layers (demo.json gate_profile): "
+          + "; ".join(f"{name} {' / '.join(f'{z:.2f}' for z in zs)}" for name, zs in gate_profile.items() if zs))
+    _echo("teacher (ouro-tiny) pass@1 at T = " + ", ".join(f"{t}: {100 * v:.1f}%" for t, v in summary["teacher_pass@1_by_loops"].items()))
+    if summary["beyond_paper"]:
+        _echo_beyond(summary["beyond_paper"])
+    _heading("The paper's claims, checked against these results (report/claims.json):")
+    for c in claims:  # one line each: readable in a log as on a terminal
+        mark = {True: "\u2713", False: "\u2717", None: "n/a"}[c.holds]
+        paper = "" if c.paper_holds is None else f"; the paper's numbers: {c.paper} " + ("\u2713" if c.paper_holds else "\u2717")
+        _echo(f"  {mark} {c.claim}: {c.measured or 'not run'} (needs {c.threshold}{paper})")
+    close = summary["close_calls"]
+    _echo(f"{summary['claims_hold']} of {summary['claims']} claims hold" + (" (--quick: its numbers mean nothing)" if quick else "")
+          + (f"; {len(close)} {'verdict rests' if len(close) == 1 else 'verdicts rest'} on a gap under {NOISE:g} standard "
+             f"errors, which a rerun at another seed or on another machine's floats could turn: {'; '.join(close)}"
+             if close else ""))
+    _echo(f"the same claims across seeds: melt-eval demo --seed N --output DIR, then melt-eval claims {output} DIR ...")
+    if summary["published"] is not None:
+        _echo(summary["published"]["line"])
     return summary
 
 
