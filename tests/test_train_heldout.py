@@ -195,7 +195,8 @@ def _same_weights(a: dict, b: dict) -> None:
 
 def test_a_task_without_enough_heldout_problems_is_one_line_before_anything_is_written(tmp_path):
     toy = {**FAST, "data": [{"source": "synthetic", "n": 50, "num_steps": 1}], "stop_at_heldout": {**STOP, "problems": 2000}}
-    with pytest.raises(UserError, match=r"lower stop_at_heldout.problems, or set stop_at_heldout: null"):
+    said = r"\(19 found\); lower stop_at_heldout.problems to 19 or fewer, or set stop_at_heldout: null"
+    with pytest.raises(UserError, match=said):  # the count to lower to, from the split itself
         run_recipe("pretrain-tiny", "tiny-random-ouro", tmp_path / "run", overrides=toy, progress=False)
     assert not (tmp_path / "run" / "recipe.yaml").exists() and not (tmp_path / "run" / META_FILE).exists()
     # a run that ends before its first check draws no held-out problems (a short run of the recipe on another task)
