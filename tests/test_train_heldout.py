@@ -229,3 +229,13 @@ def test_problems_beyond_the_split_are_one_line_before_the_model_loads(tmp_path,
     one_line_error(capsys, code, message, "lower stop_at_heldout.problems")  # tiny-phase1's split holds 23
     assert not (out / "recipe.yaml").exists() and not (out / META_FILE).exists()
     assert not (out / ".melt-eval.lock").exists()  # the lock is released with the refusal
+
+
+def test_a_synthetic_source_the_split_maker_refuses_is_one_line_not_a_traceback():
+    """Only a split too small is told to lower its count; a source setting the split maker refuses (num_steps beyond
+    the form's chain) is said as it is."""
+    from melt_eval.errors import UserError
+    from melt_eval.training.heldout import heldout_rows
+
+    with pytest.raises(UserError, match=r"synthetic source, which is refused: num_steps must be within 1\.\.9"):
+        heldout_rows({"source": "synthetic", "num_steps": 99}, 5)

@@ -87,6 +87,8 @@ def heldout_rows(src: dict, problems: int) -> list[dict]:
         lower = f"lower stop_at_heldout.problems to {left} or fewer, or " if left else ""
         raise UserError(f"stop_at_heldout: the {opts['form']} task has fewer than {problems} problems beside its "
                         f"{skip} test problems ({left} found); {lower}set stop_at_heldout: null") from None
+    except ValueError as e:  # the source's own settings (num_steps, form): said as the data source says them
+        raise UserError(f"stop_at_heldout draws from the recipe's synthetic source, which is refused: {e}") from None
     test_problems = {r["problem"] for t in tests for r in synthetic.make_split("test", **t)}
     rows = [r for r in rows if r["problem"] not in test_problems]
     if len(rows) < problems:  # a test task drawn with another seed took some: never score on a test problem
