@@ -195,10 +195,15 @@ def test_an_evaluation_runs_beside_training_as_soon_as_its_model_exists(tmp_path
         ablations._run_side_by_side([Job("evaluate", (helpers.queued_job, log, "evaluate"), {"train"})], workers=2)
 
 
-def test_runs_trained_side_by_side_equal_runs_trained_one_after_another(tmp_path, one_thread):
+def test_runs_trained_side_by_side_equal_runs_trained_one_after_another(tmp_path):
     """`--jobs 2`: two phase-1 runs in worker processes, then the phase 2 that continues one of them,
-    give the same weights as the same plan trained in this process, one run at a time (one thread)."""
+    give the same weights as the same plan trained in this process, one run at a time; and the same records:
+    a job computes with one thread either way, whatever this process's count, so no logged figure depends on
+    how many cores ran the queue."""
+    import torch
     from safetensors.torch import load_file
+
+    from melt_eval.training.run_files import read_meta
 
     fast = {"seq_len": 48, "micro_batch_size": 2, "batch_tokens": 96, "max_steps": 2, "warmup_steps": 1,
             "chunk_size": 8, "save_every": 2, "tensorboard": False,
@@ -207,11 +212,15 @@ def test_runs_trained_side_by_side_equal_runs_trained_one_after_another(tmp_path
     full = next(v for v in ablations.plan("components", "tiny", train_overrides=fast) if v.name == "full")
     runs = [gates[1].train[0], *full.train]  # scalar gate; elementwise phase 1 and the phase 2 after it
     assert isinstance(runs[2].start, ablations.TrainRun) and runs[2].start.run_id == runs[1].run_id
+    threads = torch.get_num_threads()
     ablations.train_runs(runs, tmp_path / "seq", jobs=1, progress=False)
+    assert torch.get_num_threads() == threads  # this process's own count is given back
     ablations.train_runs(runs, tmp_path / "par", jobs=2, progress=False)
     for run in runs:
         a, b = (load_file(tmp_path / d / run.run_id / "model.safetensors") for d in ("seq", "par"))
         assert a.keys() == b.keys() and all(a[k].equal(b[k]) for k in a), run.run_id
+        paths = [read_meta(tmp_path / d / run.run_id)["float_path"] for d in ("seq", "par")]
+        assert paths[0] == paths[1] and paths[0]["threads"] == ablations.JOB_THREADS, run.run_id
     # finished runs are skipped: nothing trains the second time
     ablations.train_runs(runs, tmp_path / "par", jobs=2, progress=False)
 

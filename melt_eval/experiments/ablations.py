@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -276,8 +277,9 @@ def train_and_evaluate(runs: list[TrainRun], evaluations: list["Evaluation"], ta
     if jobs > 1 and len(queue) > 1:
         _run_side_by_side(queue, jobs)
     else:
-        for run in pending.values():
-            train_run(run, runs_dir, progress)
+        with job_threads(backend):
+            for run in pending.values():
+                train_run(run, runs_dir, progress)
     # the evaluations left to do run here, one after another; finished ones are read back
     return evaluate_all(evaluations, tasks, jobs=1, backend=backend, progress=progress, **eval_kwargs)
 
@@ -322,6 +324,29 @@ def start_order(pending: dict[str, TrainRun], batch: set[str]) -> list[tuple[str
     return sorted(pending.items(), key=lambda item: not continues_one(item[1]))
 
 
+JOB_THREADS = 1  # a queued job's torch threads, side by side or one after another (`job_threads`)
+
+
+@contextmanager
+def job_threads(backend: str = "native"):
+    """A queued job computes with JOB_THREADS torch threads here too, as it does in a side-by-side worker: the
+    thread count splits reductions, so a job run one after another at the process's count logged other last bits
+    (gate means, phase 2's alignment) than the same job side by side, and a run's records depended on the number
+    of cores (docs/results/2026-12-07-demo-five-seeds-pinned.md). Left alone where no CPU computes the job (CUDA)
+    or another engine owns its threads (vLLM)."""
+    import torch
+
+    if backend != "native" or _cuda() or torch.get_num_threads() == JOB_THREADS:
+        yield
+        return
+    before = torch.get_num_threads()
+    torch.set_num_threads(JOB_THREADS)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 def _side_by_side() -> None:
     """A worker process of `_run_side_by_side`: one torch thread, and progress as plain lines (no bars to tangle)."""
     import os
@@ -331,7 +356,7 @@ def _side_by_side() -> None:
     from melt_eval.progress import PLAIN_ENV
 
     os.environ[PLAIN_ENV] = "1"
-    torch.set_num_threads(1)
+    torch.set_num_threads(JOB_THREADS)
 
 
 @dataclass(frozen=True)
@@ -370,10 +395,11 @@ def evaluate_all(evaluations: list[Evaluation], tasks: str, *, jobs: int = 1, ba
         _run_side_by_side([_Job(str(e.results_dir), (_evaluate, e, tasks, backend, progress, eval_kwargs), set())
                            for e in todo], min(jobs, len(todo)))
     results = []
-    for e in evaluations:
-        if first[e.key] is not e:
-            _copy_results(first[e.key].results_dir, e.results_dir, e.name, tasks)
-        results += _evaluate(e, tasks, backend, progress, eval_kwargs)  # a finished task is read back, not re-run
+    with job_threads(backend):
+        for e in evaluations:
+            if first[e.key] is not e:
+                _copy_results(first[e.key].results_dir, e.results_dir, e.name, tasks)
+            results += _evaluate(e, tasks, backend, progress, eval_kwargs)  # a finished task is read back, not re-run
     return results
 
 
