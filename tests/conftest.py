@@ -13,6 +13,10 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# The README runs the tests in two worker processes on two cores, each pinned to 2 torch threads: an OpenMP thread
+# that waits sleeps rather than spins, so that the other worker's threads get the core. The wait policy decides
+# how idle threads wait, not what they compute, so the bits are the same.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 if "MELT_EVAL_HOME" not in os.environ:  # a throw-away home, removed when the session ends
     os.environ["MELT_EVAL_HOME"] = tempfile.mkdtemp(prefix="melt-eval-test-home-")
     atexit.register(shutil.rmtree, os.environ["MELT_EVAL_HOME"], ignore_errors=True)

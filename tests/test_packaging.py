@@ -40,7 +40,7 @@ def test_wheel_ships_every_recipe_and_the_accelerate_config(tmp_path):
 # --- the README and docs/ (issue 37): users' page short, its two commands the ones CI runs, no dead links ---
 
 SETUP_AND_DEMO = "bash scripts/setup.sh && .venv/bin/melt-eval demo"
-TESTS = ".venv/bin/python -m pytest -q"
+TESTS = ".venv/bin/python -m pytest -q -n 2 --dist loadfile"
 LINK = re.compile(r"(?<!!)\[[^\]]*\]\(([^)\s]+)\)")
 
 
