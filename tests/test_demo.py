@@ -170,6 +170,26 @@ def test_results_made_with_other_settings_stop_the_demo_with_a_hint(quick_demo, 
     assert result_file.read_text() == before
 
 
+def test_a_moved_demo_directory_is_told_what_moved(quick_demo, tmp_path, monkeypatch, capsys):
+    """A finished demo copied elsewhere: its evaluations name the models by their old path. One line that says so
+    and what to do, exit code 2, nothing retrained, the copied results untouched."""
+    import shutil
+
+    import melt_eval.training.runner as runner
+    from helpers import main_exit_code
+
+    moved = tmp_path / "moved"
+    shutil.copytree(quick_demo, moved)
+    monkeypatch.setattr(runner, "train", lambda *a, **k: pytest.fail("the trained models must be reused"))
+    result_file = moved / "results" / "melt-tiny" / "synthetic" / "results.json"
+    before = result_file.read_text()
+    code = main_exit_code(["demo", "--quick", "--output", moved, "--no-progress"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1, err
+    assert "model_path differs" in err and "moved or copied" in err and str(moved / "results") in err, err
+    assert "older melt-eval" not in err and result_file.read_text() == before
+
+
 def test_a_finished_demo_of_another_seed_or_size_is_refused_before_anything_trains(quick_demo, monkeypatch, capsys):
     """Another seed (or the full demo) into a quick seed-0 demo's directory: its runs would train beside the old ones
     and clash only at the first evaluation; it is refused in one line first, and the seed past numpy's range too."""

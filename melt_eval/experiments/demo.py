@@ -300,6 +300,10 @@ def _queue(train: list[TrainRun], evaluations: list, runs: Path, results: Path, 
     try:
         ablations.train_and_evaluate(train, evaluations, TASK, runs, jobs=jobs, progress=progress, **ev)
     except SettingsChanged as e:  # the demo has no --force: say what to move, and that training is kept
+        if e.changed == ["model_path"]:  # an evaluation's identity holds its model's absolute path
+            raise UserError(f"{results} holds evaluations of the models at another path (model_path differs: was this "
+                            f"directory moved or copied?); move it back, or move {results} aside and run the demo "
+                            f"again to evaluate the models here (the trained models under {runs} are kept)") from e
         raise UserError(f"{results} holds evaluations made with other settings ({', '.join(e.changed)} differ), "
                         f"e.g. by an older melt-eval; move it aside and run the demo again (the trained models "
                         f"under {runs} are kept)") from e
