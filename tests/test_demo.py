@@ -155,19 +155,27 @@ def test_results_made_with_other_settings_stop_the_demo_with_a_hint(quick_demo, 
     saying what to move aside, exit code 2, and neither training nor the results already there touched."""
     import dataclasses
 
-    import melt_eval.training.runner as runner
     from melt_eval.experiments import demo
+
+    monkeypatch.setattr(demo, "QUICK", dataclasses.replace(demo.QUICK, problems=demo.QUICK.problems + 1))
+    err = _rerun_is_refused_in_one_line(quick_demo, monkeypatch, capsys)
+    assert "max_problems differ" in err and "move it aside" in err and str(quick_demo / "runs") in err, err
+
+
+def _rerun_is_refused_in_one_line(output, monkeypatch, capsys) -> str:
+    """The quick demo run again into its finished `output` with training forbidden: it must exit 2 with one line
+    (returned) and leave the results already there as they were."""
+    import melt_eval.training.runner as runner
     from helpers import main_exit_code
 
     monkeypatch.setattr(runner, "train", lambda *a, **k: pytest.fail("the trained models must be reused"))
-    monkeypatch.setattr(demo, "QUICK", dataclasses.replace(demo.QUICK, problems=demo.QUICK.problems + 1))
-    result_file = quick_demo / "results" / "melt-tiny" / "synthetic" / "results.json"
+    result_file = output / "results" / "melt-tiny" / "synthetic" / "results.json"
     before = result_file.read_text()
-    code = main_exit_code(["demo", "--quick", "--output", quick_demo, "--no-progress"])
+    code = main_exit_code(["demo", "--quick", "--output", output, "--no-progress"])
     err = capsys.readouterr().err.strip()
     assert code == 2 and len(err.splitlines()) == 1, err
-    assert "max_problems differ" in err and "move it aside" in err and str(quick_demo / "runs") in err, err
     assert result_file.read_text() == before
+    return err
 
 
 def test_a_moved_demo_directory_is_told_what_moved(quick_demo, tmp_path, monkeypatch, capsys):
@@ -175,19 +183,11 @@ def test_a_moved_demo_directory_is_told_what_moved(quick_demo, tmp_path, monkeyp
     and what to do, exit code 2, nothing retrained, the copied results untouched."""
     import shutil
 
-    import melt_eval.training.runner as runner
-    from helpers import main_exit_code
-
     moved = tmp_path / "moved"
     shutil.copytree(quick_demo, moved)
-    monkeypatch.setattr(runner, "train", lambda *a, **k: pytest.fail("the trained models must be reused"))
-    result_file = moved / "results" / "melt-tiny" / "synthetic" / "results.json"
-    before = result_file.read_text()
-    code = main_exit_code(["demo", "--quick", "--output", moved, "--no-progress"])
-    err = capsys.readouterr().err.strip()
-    assert code == 2 and len(err.splitlines()) == 1, err
+    err = _rerun_is_refused_in_one_line(moved, monkeypatch, capsys)
     assert "model_path differs" in err and "moved or copied" in err and str(moved / "results") in err, err
-    assert "older melt-eval" not in err and result_file.read_text() == before
+    assert "older melt-eval" not in err
 
 
 def test_a_finished_demo_of_another_seed_or_size_is_refused_before_anything_trains(quick_demo, monkeypatch, capsys):
