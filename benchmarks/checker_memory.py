@@ -6,8 +6,9 @@ a completion attacks the checker, per backend and per memory bound, against the 
 The attack is issue 52's: the completion forks a child that holds memory inside the check, and its function
 answers with one line of nested empty lists just under 16 MiB, which a checker that parses whatever it is sent
 turns into hundreds of MiB. The peak is the sum of the proportional anonymous and shared-memory set sizes
-(PSS) of every process of the check, sampled every 20 ms. For the before/after ratio, run it in one command
-with PYTHONPATH on a copy of the package whose sandbox.py and sandbox_launcher.py are the earlier commit's.
+(PSS) of every process of the check, sampled every 20 ms, each sample with the check's processes stopped.
+For the before/after ratio, run it in one command with PYTHONPATH on a copy of the package whose sandbox.py
+and sandbox_launcher.py are the earlier commit's.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import sys
 import threading
 import time
@@ -49,11 +51,9 @@ def add(a, b):
 CHECK = "def check(candidate):\n    assert candidate(2, 3) == 5\n"
 
 
-def check_pss() -> tuple[int, int, list]:
-    """(all the check's processes, the trusted checker alone, each process as (pid, parent, MiB)): the PSS of
-    their anonymous and shared-memory pages, bytes. Not the host's cached libraries, which every Python maps
-    and a cgroup charges to whoever read them first. The check's processes are this process's descendants
-    that run the launcher, bwrap, the runner or the checker (not a fork yet to exec)."""
+def _check_processes() -> dict[int, tuple[int, bytes]]:
+    """The check's processes now, as pid: (parent, cmdline): this process's descendants that run the sandbox's
+    launcher or its runner (the program, its forks, the checker); not bwrap, nor a fork yet to exec."""
     parents, cmdlines = {}, {}
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
@@ -65,22 +65,66 @@ def check_pss() -> tuple[int, int, list]:
     mine = {os.getpid()}
     for _ in range(6):  # launcher, init, program, its children
         mine |= {pid for pid, parent in parents.items() if parent in mine}
-    total = checker = 0
-    parts = []
-    for pid in mine - {os.getpid()}:
-        if b"evaluation/sandbox_launcher.py" not in cmdlines[pid] and b"_melt_eval_runner" not in cmdlines[pid]:
-            continue
-        try:
-            rollup = Path(f"/proc/{pid}/smaps_rollup").read_text()
-        except OSError:
-            continue
-        pss = sum(int(line.split()[1]) << 10 for line in rollup.splitlines()
-                  if line.startswith(("Pss_Anon:", "Pss_Shmem:")))
-        total += pss
-        parts.append((pid, parents[pid], pss >> 20))
-        if b"--check" in cmdlines[pid]:
-            checker += pss
-    return total, checker, parts
+    return {pid: (parents[pid], cmdlines[pid]) for pid in mine - {os.getpid()}
+            if b"evaluation/sandbox_launcher.py" in cmdlines[pid] or b"_melt_eval_runner" in cmdlines[pid]}
+
+
+def _wait_until_stopped(pids: list[int], timeout_s: float = 2.0) -> None:
+    """SIGSTOP is delivered when the process next runs: wait until each is stopped, a zombie or gone."""
+    deadline = time.monotonic() + timeout_s
+    for pid in pids:
+        while time.monotonic() < deadline:
+            try:
+                state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+            except (OSError, IndexError):
+                break
+            if state in "TtZX":
+                break
+            time.sleep(0.0005)
+
+
+def check_pss() -> tuple[int, int, list]:
+    """(all the check's processes, the trusted checker alone, each process as (pid, parent, MiB)): the PSS of
+    their anonymous and shared-memory pages, bytes. Not the host's cached libraries, which every Python maps
+    and a cgroup charges to whoever read them first.
+
+    One instant's: the processes are stopped while they are read and go on after. Read one by one while they
+    ran, a child the OOM killer freed was counted beside the memory another child took in its place (a sum
+    over the bound that was never held at once)."""
+    stopped: list[int] = []
+    try:
+        while True:  # until no process forked by one not yet stopped is left running
+            processes = _check_processes()
+            new = [pid for pid in processes if pid not in stopped]
+            if not new:
+                break
+            for pid in new:
+                try:
+                    os.kill(pid, signal.SIGSTOP)
+                except ProcessLookupError:
+                    continue
+                stopped.append(pid)
+            _wait_until_stopped(new)
+        total = checker = 0
+        parts = []
+        for pid, (parent, cmdline) in processes.items():
+            try:
+                rollup = Path(f"/proc/{pid}/smaps_rollup").read_text()
+            except OSError:
+                continue
+            pss = sum(int(line.split()[1]) << 10 for line in rollup.splitlines()
+                      if line.startswith(("Pss_Anon:", "Pss_Shmem:")))
+            total += pss
+            parts.append((pid, parent, pss >> 20))
+            if b"--check" in cmdline:
+                checker += pss
+        return total, checker, parts
+    finally:
+        for pid in stopped:
+            try:
+                os.kill(pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
 
 
 def measure(limits: SandboxLimits) -> dict:

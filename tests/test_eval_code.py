@@ -635,6 +635,40 @@ def test_the_memory_sampler_skips_a_process_that_exits_and_a_sampler_that_dies_f
         bench.measure(SandboxLimits(timeout_s=20))
 
 
+def test_the_memory_sampler_reads_a_check_stopped_and_lets_it_run_on(monkeypatch):
+    """Each sample is one instant's: the check's processes are stopped while their memory is read, and run on
+    after. Read while they ran, a child the OOM killer had just freed was summed with the memory another took
+    in its place: a peak over the bound that was never held (a CI failure under load)."""
+    bench = _benchmark("checker_memory")
+
+    def state(pid):
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0]
+
+    # the cmdline names the sandbox's runner: the sampler counts it as a check's process
+    child = subprocess.Popen([sys.executable, "-c", "import time\nwhile True: time.sleep(0.005)", "_melt_eval_runner"])
+    seen, real = [], Path.read_text
+
+    def read_text(self, *args, **kwargs):
+        if self == Path(f"/proc/{child.pid}/smaps_rollup"):
+            seen.append(state(child.pid))
+        return real(self, *args, **kwargs)
+
+    try:
+        deadline = time.monotonic() + 30
+        while b"_melt_eval_runner" not in Path(f"/proc/{child.pid}/cmdline").read_bytes():
+            assert time.monotonic() < deadline, "the child did not start"
+            time.sleep(0.01)
+        monkeypatch.setattr(Path, "read_text", read_text)
+        _, _, parts = bench.check_pss()
+        monkeypatch.undo()
+        assert seen == ["T"] and child.pid in [pid for pid, _, _ in parts], (seen, parts)
+        assert state(child.pid) in "RS"  # continued: a check left stopped would run into its timeout
+    finally:
+        child.kill()
+        child.wait()
+
+
 @pytest.mark.parametrize("bound", ["cgroup", "address_space_budget"])
 def test_a_check_stays_under_its_memory_bound(bound, monkeypatch, backend):
     """Processes that fork and allocate hold at most the check's bound in host memory, together; memfds, SysV
