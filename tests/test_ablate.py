@@ -87,6 +87,24 @@ def test_unknown_ablation_is_a_one_line_error():
     assert "unknown ablation 'nosuch'" in str(res.exception)
 
 
+@pytest.mark.parametrize("command", [["ablate", "gates", "--preset", "tiny", "--output"],
+                                     ["ablate", "gates", "--preset", "tiny", "--runs"], ["demo", "--quick", "--output"]])
+@pytest.mark.parametrize("where", ["a-file", "a-file/sub"])
+def test_an_output_path_through_a_file_is_refused_before_anything_trains(tmp_path, monkeypatch, command, where):
+    """Not after the teacher's training, as the demo did, nor after every variant's, as ablate did."""
+    from melt_eval.experiments import demo
+
+    def trains(*args, **kwargs):
+        raise AssertionError("training started")
+
+    monkeypatch.setattr(ablations, "run_variants", trains)
+    monkeypatch.setattr(demo, "run_demo", trains)
+    (tmp_path / "a-file").write_text("kept\n")
+    res = runner.invoke(app, [*command, str(tmp_path / where)])
+    assert res.exit_code != 0 and "is a file" in str(res.exception) and command[-1] in str(res.exception), res.exception
+    assert (tmp_path / "a-file").read_text() == "kept\n"
+
+
 def test_a_checkpoint_evaluated_once_is_copied_not_rerun(tmp_path, monkeypatch):
     """The KV-sharing table's `ouro` row and the demo's teacher are one evaluation (defaults spelled out or not)."""
     import json

@@ -76,6 +76,10 @@ def register(app: typer.Typer) -> None:
                 table.add_row(s["variant"], s["step"], s["status"], s["command"], s["paper_gpu_hours"])
             console(200).print(table)
             return
+        from melt_eval.files import check_output_path
+
+        for path, flag in ((output, "--output"), (runs, "--runs")):  # before the first run trains, not after it
+            check_output_path(path, flag, directory=True)
         eval_kwargs = {k: v for k, v in dict(samples=samples, max_problems=max_problems, max_new_tokens=max_new_tokens,
                                              data_dir=data_dir, seed=seed, prefill_chunk=prefill_chunk).items()
                        if v is not None}
@@ -121,6 +125,9 @@ def register(app: typer.Typer) -> None:
         """A miniature reproduction on the CPU: teacher, MELT, every ablation, every table and figure, and
         the paper's claims checked against the numbers."""
         from melt_eval.experiments.demo import default_output, run_demo
+        from melt_eval.files import check_output_path
 
-        run_demo(output or default_output(quick, seed), quick=quick, progress=progress, seed=seed, jobs=jobs,
+        output = output or default_output(quick, seed)
+        check_output_path(output, "--output", directory=True)  # before the teacher trains, not after it
+        run_demo(output, quick=quick, progress=progress, seed=seed, jobs=jobs,
                  compile=compile, beyond_paper=beyond_paper)
