@@ -216,6 +216,9 @@ MALFORMED = {
     "a-list": b"[1, 2]",
     "metrics-a-list": json.dumps(_result("m5", "math500") | {"metrics": [1]}).encode(),
     "value-a-string": json.dumps(_result("m6", "math500") | {"metrics": {"accuracy": {"value": "high"}}}).encode(),
+    # dropped unread before: the claims and tables said "not run" of a damaged result
+    "metric-a-string": json.dumps(_result("m9", "math500") | {"metrics": {"accuracy": "NaN"}}).encode(),
+    "metric-without-value": json.dumps(_result("m10", "math500") | {"metrics": {"accuracy": {"stderr": 0.01}}}).encode(),
     "non-utf8": b'{"model": "caf\xe9"}',
     "deeply-nested": NESTED.encode(),
     "finished-no": json.dumps(_result("m7", "math500", finished="no")).encode(),

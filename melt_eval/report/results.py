@@ -221,10 +221,11 @@ def _read(path: Path, task_dir: str) -> Result:
     if not isinstance(raw_metrics, dict):
         raise Malformed("metrics is not an object")
     for name, m in raw_metrics.items():
-        if isinstance(m, dict) and m.get("value") is not None:
+        # each metric is read or refused: one dropped unread made its table cell and claim "not run"
+        if isinstance(m, dict):
             stderr = None if m.get("stderr") is None else _fraction(m["stderr"], f"{name} stderr")
-            metrics[name] = (_fraction(m["value"], name), stderr)
-        elif isinstance(m, (int, float)):
+            metrics[name] = (_fraction(m.get("value"), name), stderr)
+        else:
             metrics[name] = (_fraction(m, name), None)
     settings = raw.get("settings") or {}
     if not isinstance(settings, dict):
