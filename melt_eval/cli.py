@@ -92,6 +92,9 @@ def main() -> None:
     if interrupts.requested():  # Ctrl-C at start-up whose SystemExit an import swallowed; its line is written
         sys.exit(130)
     interrupts.install()
+    if bad_switch := float_path.switch_error():  # before any command computes on a float path it did not ask for
+        typer.secho(f"error: {bad_switch}", fg=typer.colors.RED, err=True)
+        sys.exit(2)
     command = next((a for a in sys.argv[1:] if not a.startswith("-")), None)
     launching = any(a.split("=")[0] == "--nproc-per-node" for a in sys.argv[1:])  # its rank 0 says it, as it applies there
     # a worker of `train --nproc-per-node` says it once its run has passed its checks (runner._train): its refusal

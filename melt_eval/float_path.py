@@ -42,6 +42,14 @@ def pinned() -> bool:
     return os.environ.get(SWITCH, "").strip().lower() != "native"
 
 
+def switch_error() -> str | None:
+    """What is wrong with the switch's value, if anything: a misspelt "native" would keep the pin unseen."""
+    value = os.environ.get(SWITCH)
+    if value is None or value.strip().lower() in ("", "native"):
+        return None
+    return f"{SWITCH}={value!r} is not a setting: set it to native to turn the pinned float path off, or unset it"
+
+
 def pin() -> None:
     """Set the float path in the environment, before torch loads; a variable the user set keeps its value."""
     if not pinned():

@@ -127,6 +127,16 @@ def test_a_users_own_setting_wins_and_the_switch_turns_the_pin_off(monkeypatch):
     assert "not pinned (MELT_EVAL_FLOAT_PATH=native)" in float_path.notice()
 
 
+def test_a_misspelt_switch_is_refused_in_one_line_not_read_as_pinned():
+    """MELT_EVAL_FLOAT_PATH=nativ kept the pin without a word: the user believed it off."""
+    refused = run_as(([], {float_path.SWITCH: "nativ"}), "tasks")
+    assert refused.returncode == 2 and refused.stdout == "", refused
+    assert refused.stderr.strip().splitlines() == [
+        f"error: {float_path.SWITCH}='nativ' is not a setting: set it to native to turn the pinned float path off, "
+        "or unset it"]
+    assert run_as(([], {float_path.SWITCH: "Native"}), "tasks").returncode == 0
+
+
 def test_a_machine_that_cannot_give_the_published_bits_says_so_first_and_runs(tmp_path, capsys, monkeypatch):
     for name in PIN_VARIABLES:
         monkeypatch.delenv(name, raising=False)
