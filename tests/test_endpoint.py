@@ -172,6 +172,85 @@ def test_connection_errors_fail_over_to_another_replica(fake):
     assert sorted(results) == list(range(6)) and len(fake.requests) == 6 and ep.retried >= 1
 
 
+class JunkServer:
+    """Answers 200 with these bytes per path (a server that is not the OpenAI-compatible one --base-url meant)."""
+
+    def __init__(self, answers: dict[str, bytes]):
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def _answer(self):
+                if self.command == "POST":
+                    self.rfile.read(int(self.headers["Content-Length"]))
+                data = answers.get(self.path, b"not found")
+                self.send_response(200 if self.path in answers else 404)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            do_GET = do_POST = _answer
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+ONE_MODEL = json.dumps({"data": [{"id": "m"}]}).encode()
+COMPLETION = {"choices": [{"index": 0, "text": "a"}, {"index": 1, "text": "b"}], "usage": {"completion_tokens": 2}}
+
+
+@pytest.mark.parametrize("answers, said", [
+    ({"/v1/models": b"<html>hello</html>"}, "/v1/models answered 200 with no JSON (<html>hello</html>)"),
+    ({"/v1/models": b'{"data": "m"}'}, "/v1/models answered no list of models with ids"),
+    ({"/v1/models": b"[1, 2]"}, "/v1/models answered no list of models with ids"),
+    ({"/v1/models": ONE_MODEL, "/v1/completions": b"{}"}, "not an OpenAI completion of 2 sample(s) (KeyError"),
+    # one sample of the two asked for: it passed as the problem's samples before
+    ({"/v1/models": ONE_MODEL, "/v1/completions": json.dumps(dict(COMPLETION, choices=COMPLETION["choices"][:1])).encode()},
+     "not an OpenAI completion of 2 sample(s) (ValueError: choices [0] for n=2)"),
+    ({"/v1/models": ONE_MODEL, "/v1/completions": json.dumps(
+        dict(COMPLETION, choices=[{"index": 0, "text": 5}, {"index": 1, "text": "b"}])).encode()}, "(TypeError"),
+])
+def test_a_server_that_answers_otherwise_than_openai_is_a_one_line_error(answers, said):
+    server = JunkServer(answers)
+    try:
+        with pytest.raises(UserError) as refused:
+            Endpoint(server.url, retries=0).complete([1], n=2, temperature=1.0, top_p=1.0, max_tokens=2, seed=1)
+    finally:
+        server.close()
+    assert said in str(refused.value) and "OpenAI-compatible server" in str(refused.value), refused.value
+    assert "\n" not in str(refused.value)
+
+
+def test_a_server_that_takes_the_connection_and_never_answers_is_an_error_not_a_hang():
+    """It waited for the 4-hour generation timeout, seven times, before: asking for the model is held to
+    the facts timeout, and not asked again."""
+    import socket
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    taken = []
+
+    def take():
+        while True:
+            try:
+                taken.append(listener.accept())  # held open, never answered
+            except OSError:  # the listener closed
+                return
+
+    threading.Thread(target=take, daemon=True).start()
+    started = time.monotonic()
+    try:
+        with pytest.raises(UserError, match=r"/v1/models did not answer in 0.5 s; is --base-url an OpenAI"):
+            Endpoint(f"http://127.0.0.1:{listener.getsockname()[1]}", facts_timeout_s=0.5).info()
+    finally:
+        listener.close()
+    assert time.monotonic() - started < 10 and len(taken) == 1
+
+
 def test_concurrency_is_bounded_and_spread_over_replicas():
     both = InFlight()
     servers = [FakeServer(delay_s=0.05, shared=both), FakeServer(delay_s=0.05, shared=both)]

@@ -27,6 +27,10 @@ from typing import Iterator, Sequence
 from melt_eval.errors import UserError
 
 RETRY_STATUS = frozenset({429, 500, 502, 503, 504})
+# a server's facts (/models, /version) come at once: one that takes longer is not the server --base-url meant,
+# where a generation may rightly take hours
+FACTS_TIMEOUT_S = 30.0
+NOT_OPENAI = "is --base-url an OpenAI-compatible server (melt-eval serve, vllm serve)?"
 
 
 @dataclass
@@ -57,13 +61,15 @@ def parse_base_urls(spec: str | Sequence[str]) -> list[str]:
 
 class Endpoint:
     def __init__(self, base_urls: str | Sequence[str], *, max_concurrency: int = 64, retries: int = 6,
-                 backoff_s: float = 1.0, timeout_s: float = 4 * 3600, api_key: str | None = None) -> None:
+                 backoff_s: float = 1.0, timeout_s: float = 4 * 3600, api_key: str | None = None,
+                 facts_timeout_s: float = FACTS_TIMEOUT_S) -> None:
         import httpx
 
         if max_concurrency < 1:
             raise UserError(f"--max-concurrency must be at least 1, got {max_concurrency}")
         self.base_urls = parse_base_urls(base_urls)
         self.max_concurrency, self.retries, self.backoff_s = max_concurrency, retries, backoff_s
+        self.facts_timeout_s = facts_timeout_s
         api_key = api_key if api_key is not None else os.environ.get("OPENAI_API_KEY")
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         # long generations (32K tokens) take many minutes: only connecting is held to a short limit
@@ -83,8 +89,10 @@ class Endpoint:
         """Ask every URL what it serves; they must all serve the same model. Cached on the object."""
         models, versions = {}, {}
         for url in self.base_urls:
-            body = self._request("GET", url, "/models")
-            data = body.get("data") or []
+            body = self._request("GET", url, "/models", timeout_s=self.facts_timeout_s)
+            data = body.get("data") if isinstance(body, dict) else None
+            if not isinstance(data, list) or not all(isinstance(m, dict) and isinstance(m.get("id"), str) for m in data):
+                raise UserError(f"{url}/models answered no list of models with ids; {NOT_OPENAI}")
             if len(data) != 1:
                 ids = [m.get("id") for m in data]
                 raise UserError(f"{url} serves {len(data)} models {ids}; point --base-url at a server of one model")
@@ -107,7 +115,7 @@ class Endpoint:
         import httpx
 
         try:
-            resp = self._client.get(url[: -len("/v1")] + "/version", timeout=30.0)
+            resp = self._client.get(url[: -len("/v1")] + "/version", timeout=self.facts_timeout_s)
         except httpx.HTTPError:
             return None
         if resp.status_code != 200:
@@ -132,11 +140,11 @@ class Endpoint:
                         top_k=0, min_p=0.0, repetition_penalty=1.0)
         body.update(extra or {})
         answer = self._request("POST", None, "/completions", body)
-        choices = sorted(answer["choices"], key=lambda c: c["index"])
-        token_ids = [list(c["token_ids"]) for c in choices] if all(c.get("token_ids") is not None for c in choices) else None
-        num_tokens = sum(len(t) for t in token_ids) if token_ids is not None else int(answer["usage"]["completion_tokens"])
-        texts = [c["text"] for c in choices]
-        finish = [c.get("finish_reason") or "stop" for c in choices]
+        try:
+            token_ids, texts, num_tokens, finish = _read_choices(answer, body["n"])
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:  # what a malformed answer raises in the read
+            raise UserError(f"the server's /completions answer is not an OpenAI completion of {body['n']} sample(s) "
+                            f"({type(exc).__name__}: {str(exc)[:200]}); {NOT_OPENAI}") from None
         if repeat > 1:  # every sample counts its tokens, as when the engine makes them
             texts, finish, num_tokens = texts * repeat, finish * repeat, num_tokens * repeat
             token_ids = token_ids * repeat if token_ids is not None else None
@@ -193,20 +201,31 @@ class Endpoint:
             self._in_flight[url] += 1
             return url
 
-    def _request(self, method: str, url: str | None, path: str, body: dict | None = None) -> dict:
-        """One call with retries; `url` None picks the least busy URL (and another one on a retry)."""
+    def _request(self, method: str, url: str | None, path: str, body: dict | None = None,
+                 timeout_s: float | None = None) -> dict:
+        """One call with retries; `url` None picks the least busy URL (and another one on a retry). With
+        `timeout_s` (a server's facts), an answer that does not come in time is an error at once."""
         import httpx
 
         last_error, tried = "", None
         for attempt in range(self.retries + 1):
             target = url or self._pick(avoid=tried)
             try:
-                resp = self._client.request(method, target + path, json=body)
+                resp = self._client.request(method, target + path, json=body,
+                                            **({} if timeout_s is None else {"timeout": timeout_s}))
+            except httpx.ReadTimeout as exc:
+                if timeout_s is not None:  # connected, then silent: asking again waits as long again
+                    raise UserError(f"{target}{path} did not answer in {timeout_s:g} s; {NOT_OPENAI}") from None
+                last_error = f"{type(exc).__name__}: {exc}"
             except httpx.TransportError as exc:  # refused, reset, timed out
                 last_error = f"{type(exc).__name__}: {exc}"
             else:
                 if resp.status_code < 300:
-                    return resp.json()
+                    try:
+                        return resp.json()
+                    except ValueError:
+                        raise UserError(f"{target}{path} answered {resp.status_code} with no JSON "
+                                        f"({_server_message(resp)}); {NOT_OPENAI}") from None
                 if resp.status_code not in RETRY_STATUS:
                     raise UserError(f"{target}{path} answered {resp.status_code}: {_server_message(resp)}")
                 last_error = f"HTTP {resp.status_code}: {_server_message(resp)}"
@@ -224,6 +243,20 @@ class Endpoint:
 
     def close(self) -> None:
         self._client.close()
+
+
+def _read_choices(answer: dict, n: int) -> tuple[list[list[int]] | None, list[str], int, list[str]]:
+    """(token ids or None, texts, generated tokens, finish reasons) of an answer that must hold `n` choices."""
+    choices = sorted(answer["choices"], key=lambda c: c["index"])
+    if [c["index"] for c in choices] != list(range(n)):  # fewer samples than asked would pass as fewer problems' worth
+        raise ValueError(f"choices {[c['index'] for c in choices][:8]} for n={n}")
+    token_ids = [list(map(int, c["token_ids"])) for c in choices] if all(c.get("token_ids") is not None
+                                                                         for c in choices) else None
+    num_tokens = sum(len(t) for t in token_ids) if token_ids is not None else int(answer["usage"]["completion_tokens"])
+    texts = [c["text"] for c in choices]
+    if not all(isinstance(t, str) for t in texts):
+        raise TypeError("a choice's text is not a string")
+    return token_ids, texts, num_tokens, [c.get("finish_reason") or "stop" for c in choices]
 
 
 def _server_message(resp) -> str:
