@@ -105,6 +105,26 @@ def test_an_output_path_through_a_file_is_refused_before_anything_trains(tmp_pat
     assert (tmp_path / "a-file").read_text() == "kept\n"
 
 
+@pytest.mark.timeout(60)
+def test_a_fifo_or_a_list_where_a_record_goes_is_no_record_not_a_hang(tmp_path):
+    """A FIFO named demo.json blocked `melt-eval demo` before anything ran, forever; a results.json holding a
+    list was a traceback. Each is read as no record (the run then replaces it, or says what is wrong)."""
+    import os
+
+    from melt_eval.experiments import demo
+
+    os.mkfifo(tmp_path / "demo.json")
+    demo._check_same_demo(tmp_path / "demo.json", seed=0, quick=True)
+    assert demo._previous_runs(tmp_path / "demo.json") == []
+    (tmp_path / "fifo" / "synthetic").mkdir(parents=True)
+    os.mkfifo(tmp_path / "fifo" / "synthetic" / "results.json")
+    (tmp_path / "list" / "synthetic").mkdir(parents=True)
+    (tmp_path / "list" / "synthetic" / "results.json").write_text("[1]")
+    (tmp_path / "done" / "synthetic").mkdir(parents=True)
+    (tmp_path / "done" / "synthetic" / "results.json").write_text('{"finished": true}')
+    assert [ablations._finished(tmp_path / d, "synthetic") for d in ("fifo", "list", "done")] == [False, False, True]
+
+
 def test_a_checkpoint_evaluated_once_is_copied_not_rerun(tmp_path, monkeypatch):
     """The KV-sharing table's `ouro` row and the demo's teacher are one evaluation (defaults spelled out or not)."""
     import json

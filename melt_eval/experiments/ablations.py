@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from melt_eval.errors import UserError
+from melt_eval.jsonio import read_json
 from melt_eval.protocol import variants as definitions
 from melt_eval.training.config import ADDED_FIELDS, EXECUTION_FIELDS, compile_unused, load_recipe
 from melt_eval.training.runs import FINISHED, INTERRUPTED, run_state, train_command
@@ -435,9 +436,10 @@ def _finished(results_dir: Path, tasks: str) -> bool:
 
     for task in expand(tasks):
         try:
-            if not json.loads((results_dir / task / "results.json").read_text()).get("finished"):
-                return False
-        except (OSError, ValueError):
+            result = read_json(results_dir / task / "results.json", "a results.json")
+        except UserError:  # none, damaged, or not a regular file (a FIFO blocked the read): run_tasks says which
+            return False
+        if not isinstance(result, dict) or result.get("finished") is not True:
             return False
     return True
 

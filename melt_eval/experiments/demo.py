@@ -26,6 +26,7 @@ from melt_eval import float_path
 from melt_eval.errors import SettingsChanged, UserError
 from melt_eval.experiments import ablations
 from melt_eval.experiments.ablations import TrainRun
+from melt_eval.jsonio import read_json
 
 TASK = "synthetic"
 
@@ -379,8 +380,8 @@ def _check_same_demo(path: Path, seed: int, quick: bool) -> None:
     """Refuse (UserError) an output that holds a finished demo of another seed or size, before anything trains:
     its cached runs and results belong to that demo, and their settings would only clash after the teacher."""
     try:
-        old = json.loads(path.read_text())
-    except (OSError, ValueError):
+        old = read_json(path, "a demo.json")  # refuses a FIFO (which would block the read) without opening it
+    except UserError:
         return  # no finished demo here (or no readable record of one): the cache's own checks apply
     if not isinstance(old, dict):
         return
@@ -398,8 +399,8 @@ def _previous_runs(path: Path) -> list[dict]:
     """The timings of every earlier run in this directory, oldest first: a re-run that only re-renders must
     not overwrite the wall time of the run that trained and evaluated."""
     try:
-        old = json.loads(path.read_text())
-    except (OSError, ValueError):
+        old = read_json(path, "a demo.json")
+    except UserError:  # none, damaged, or not a regular file: replaced by this run's
         return []
     if not isinstance(old, dict):
         return []
