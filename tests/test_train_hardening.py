@@ -113,6 +113,18 @@ def test_local_data_must_be_a_regular_utf8_file(tmp_path, capsys, case):
     _one_line_error(capsys, code, "train.jsonl", message)
 
 
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("case", BAD_FILES)
+def test_a_recipe_file_must_be_a_regular_utf8_file(tmp_path, capsys, case):
+    """A FIFO, a directory or a device given as --recipe was called an unknown recipe; each is named now,
+    before it is opened (a FIFO would block the read)."""
+    make, message = BAD_FILES[case]
+    make(tmp_path / "recipe.yaml")
+    code = _main(["train", "--recipe", tmp_path / "recipe.yaml", "--output", tmp_path / "run", "--no-progress"])
+    _one_line_error(capsys, code, "recipe.yaml", "is a device" if case == "device" else message)
+    assert not (tmp_path / "run").exists()
+
+
 # --- checkpoints checked by content -----------------------------------------------------------------------
 
 def flip_tensor_bytes(path: Path) -> None:

@@ -414,13 +414,8 @@ def parse_yaml(text: str, origin: str):
 
 
 def read_yaml_file(path: Path, what: str = "recipe"):
-    try:
-        text = Path(path).read_text(encoding="utf-8")
-    except UnicodeDecodeError:
-        raise UserError(f"{path} is not UTF-8 text; save the {what} as UTF-8") from None
-    except IsADirectoryError:
-        raise UserError(f"{path} is a directory; pass a YAML file") from None
-    return parse_yaml(text, str(path))
+    # a FIFO would block the read, a device never end: refused before the open, as every file the harness reads
+    return parse_yaml(read_text(path, f"a {what} YAML file"), str(path))
 
 
 def _read_yaml(path: Path) -> dict:
@@ -438,8 +433,8 @@ def available_recipes() -> list[str]:
 def recipe_path(name: str) -> Path:
     """A recipe name (file stem in melt_eval/recipes/) or a path to a YAML file."""
     path = Path(name).expanduser()
-    if path.suffix in (".yaml", ".yml") and path.is_file():
-        return path
+    if path.suffix in (".yaml", ".yml") and (path.exists() or path.is_symlink()):
+        return path  # read_yaml_file says what it is, where it is not a regular file
     candidate = RECIPES_DIR / f"{name}.yaml"
     if candidate.is_file():
         return candidate
