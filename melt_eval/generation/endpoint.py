@@ -248,7 +248,7 @@ class Endpoint:
 def _read_choices(answer: dict, n: int) -> tuple[list[list[int]] | None, list[str], int, list[str]]:
     """(token ids or None, texts, generated tokens, finish reasons) of an answer that must hold `n` choices."""
     choices = sorted(answer["choices"], key=lambda c: c["index"])
-    if [c["index"] for c in choices] != list(range(n)):  # fewer samples than asked would pass as fewer problems' worth
+    if [c["index"] for c in choices] != list(range(n)):  # a server that ignores n: its problems would have fewer samples
         raise ValueError(f"choices {[c['index'] for c in choices][:8]} for n={n}")
     token_ids = [list(map(int, c["token_ids"])) for c in choices] if all(c.get("token_ids") is not None
                                                                          for c in choices) else None
