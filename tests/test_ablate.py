@@ -91,7 +91,8 @@ def test_unknown_ablation_is_a_one_line_error():
                                      ["ablate", "gates", "--preset", "tiny", "--runs"], ["demo", "--quick", "--output"]])
 @pytest.mark.parametrize("where", ["a-file", "a-file/sub"])
 def test_an_output_path_through_a_file_is_refused_before_anything_trains(tmp_path, monkeypatch, command, where):
-    """Not after the teacher's training, as the demo did, nor after every variant's, as ablate did."""
+    """ablate trained before its first evaluation found the file; the demo said so from inside its first stage,
+    naming a runs directory the user never gave."""
     from melt_eval.experiments import demo
 
     def trains(*args, **kwargs):

@@ -128,6 +128,6 @@ def register(app: typer.Typer) -> None:
         from melt_eval.files import check_output_path
 
         output = output or default_output(quick, seed)
-        check_output_path(output, "--output", directory=True)  # before the teacher trains, not after it
+        check_output_path(output, "--output", directory=True)  # named as --output, before the first stage prints
         run_demo(output, quick=quick, progress=progress, seed=seed, jobs=jobs,
                  compile=compile, beyond_paper=beyond_paper)
