@@ -210,13 +210,20 @@ def register(app: typer.Typer) -> None:
 
         Further arguments go to vLLM unchanged, e.g. `melt-eval serve melt-1.6b -- --max-num-seqs 512`.
         """
-        if not dry_run and (address := listen_address(host, port, list(ctx.args))):
+        extra = list(ctx.args)
+        if model == "--model" and extra:  # `run`'s spelling (and vLLM's): melt-eval serve --model NAME
+            model, extra = extra[0], extra[1:]
+        elif model.startswith("--model="):
+            model = model.split("=", 1)[1]
+        elif model.startswith("-"):  # an option typer could not place, taken for the model
+            raise UserError(f"{model}: name the model first, then options: melt-eval serve MODEL [OPTIONS]")
+        if not dry_run and (address := listen_address(host, port, extra)):
             check_listen(*address)  # before the model is looked up and vLLM's engine starts
         cmd = serve_command(
             model, host=host, port=port, served_model_name=served_model_name, loops=loops, kv_sharing=kv_sharing,
             prefill_chunk=prefill_chunk, dtype=dtype, max_model_len=max_model_len,
             gpu_memory_utilization=gpu_memory_utilization, kv_cache_bytes=kv_cache_bytes,
-            tensor_parallel_size=tensor_parallel_size, data_parallel_size=data_parallel_size, extra=list(ctx.args),
+            tensor_parallel_size=tensor_parallel_size, data_parallel_size=data_parallel_size, extra=extra,
             note=lambda line: typer.echo(line, err=True),
         )
         typer.echo(shlex.join(cmd))

@@ -81,3 +81,19 @@ def test_a_free_port_goes_on_to_vllm_and_dry_run_checks_nothing(monkeypatch, cap
     serve.check_listen("127.0.0.1", port)  # the check left it free
     assert run(monkeypatch, capsys, "tiny-random-ouro", "--port", busy, "--dry-run")[0] == 0
     assert len(started) == 1
+
+
+def test_the_model_may_be_given_as_run_gives_it(monkeypatch, capsys, started):
+    """`melt-eval run` takes --model NAME, and users type it to serve too: it was read as a model named
+    '--model'. An option before the model is one line that says the order."""
+    for args in (["--model", "tiny-random-ouro"], ["--model=tiny-random-ouro"], ["tiny-random-ouro"]):
+        monkeypatch.setattr("sys.argv", ["melt-eval", "serve", *args, "--dry-run"])
+        try:
+            main()
+        except SystemExit as exit_:
+            assert exit_.code in (0, None), capsys.readouterr().err
+        out = capsys.readouterr().out
+        assert "--served-model-name tiny-random-ouro" in out and "--model=" not in out, (args, out)
+    one_line(*run(monkeypatch, capsys, "--bogus", "tiny-random-ouro", "--dry-run"), "--bogus: name the model first",
+             "melt-eval serve MODEL [OPTIONS]")
+    assert started == []
