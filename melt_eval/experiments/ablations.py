@@ -21,7 +21,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from melt_eval.errors import UserError
-from melt_eval.jsonio import read_json
 from melt_eval.protocol import variants as definitions
 from melt_eval.training.config import ADDED_FIELDS, EXECUTION_FIELDS, compile_unused, load_recipe
 from melt_eval.training.runs import FINISHED, INTERRUPTED, run_state, train_command
@@ -432,16 +431,11 @@ def _evaluate(e: Evaluation, tasks: str, backend: str, progress: bool, eval_kwar
 
 def _finished(results_dir: Path, tasks: str) -> bool:
     """Every task's results.json says finished (run_tasks still checks that its settings match)."""
+    from melt_eval.evaluation.runner import read_finished
     from melt_eval.protocol.tasks import expand
 
-    for task in expand(tasks):
-        try:
-            result = read_json(results_dir / task / "results.json", "a results.json")
-        except UserError:  # none, damaged, or not a regular file (a FIFO blocked the read): run_tasks says which
-            return False
-        if not isinstance(result, dict) or result.get("finished") is not True:
-            return False
-    return True
+    # read_finished reads none, a damaged one, or one that is no regular file (a FIFO blocked the read) as None
+    return all(read_finished(results_dir / task) is not None for task in expand(tasks))
 
 
 def _copy_results(src: Path, dst: Path, name: str, tasks: str) -> None:

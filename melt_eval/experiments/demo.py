@@ -379,12 +379,9 @@ def _echo_beyond(beyond: dict) -> None:
 def _check_same_demo(path: Path, seed: int, quick: bool) -> None:
     """Refuse (UserError) an output that holds a finished demo of another seed or size, before anything trains:
     its cached runs and results belong to that demo, and their settings would only clash after the teacher."""
-    try:
-        old = read_json(path, "a demo.json")  # refuses a FIFO (which would block the read) without opening it
-    except UserError:
+    old = _demo_record(path)
+    if old is None:
         return  # no finished demo here (or no readable record of one): the cache's own checks apply
-    if not isinstance(old, dict):
-        return
     was = (old.get("seed", 0), bool(old.get("quick")))  # a demo from before --seed was seed 0
     if was != (seed, quick):
         raise UserError(f"{path.parent} holds the demo of {_which(*was)}, not of "
@@ -395,14 +392,21 @@ def _which(seed, quick) -> str:
     return f"seed {seed}" + (" --quick" if quick else "")
 
 
+def _demo_record(path: Path) -> dict | None:
+    """An earlier run's demo.json; None where there is none, or it is damaged or no regular file (a FIFO would
+    block the read): this run's replaces it."""
+    try:
+        old = read_json(path, "a demo.json")
+    except UserError:
+        return None
+    return old if isinstance(old, dict) else None
+
+
 def _previous_runs(path: Path) -> list[dict]:
     """The timings of every earlier run in this directory, oldest first: a re-run that only re-renders must
     not overwrite the wall time of the run that trained and evaluated."""
-    try:
-        old = read_json(path, "a demo.json")
-    except UserError:  # none, damaged, or not a regular file: replaced by this run's
-        return []
-    if not isinstance(old, dict):
+    old = _demo_record(path)
+    if old is None:
         return []
     timing = {k: old[k] for k in ("wall_time_s", "stages_s", "load_average") if k in old}
     return list(old.get("previous_runs", [])) + ([timing] if timing else [])
